@@ -1,0 +1,47 @@
+"""embedq: offline int8/4-bit quantization of embedding and lm_head tables.
+
+>>> import embedq
+>>> report = embedq.quantize("./model", bits=8)   # in-place overlay
+>>> print(report)                                  # summary table
+>>> embedq.verify("./model"); embedq.remove("./model")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from embedq.errors import EmbedqError
+from embedq.report import ModuleReport, Report
+
+
+# ``embedq.quantize(path, bits=8, ...) -> Report`` is the callable subpackage
+# embedq/quantize (see its __init__ for why).
+from embedq import quantize  # noqa: E402
+
+
+def inspect(path) -> dict:
+    """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint."""
+    from embedq.overlays.inspect import inspect_checkpoint
+    return inspect_checkpoint(path)
+
+
+def remove(path) -> list[str]:
+    """Remove an in-place overlay, restoring config.json and the index byte for byte."""
+    from embedq.overlays.state import remove_overlay
+    return remove_overlay(path)
+
+
+def verify(path) -> Report:
+    """Re-read an overlay, check its checksums against the source, report error metrics."""
+    from embedq.overlays.verify import verify_overlay
+    return verify_overlay(path)
+
+
+def load_overlay(path):
+    """The overlay's config and packed tables (see :class:`embedq.overlays.reader.Overlay`)."""
+    from embedq.overlays.reader import load_overlay as _load
+    return _load(path)
+
+
+__all__ = ["quantize", "inspect", "remove", "verify", "load_overlay", "Report", "ModuleReport",
+           "EmbedqError", "__version__"]

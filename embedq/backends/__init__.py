@@ -1,0 +1,1 @@
+"""Back ends that read embedq overlays: vLLM, ONNX Runtime, transformers."""

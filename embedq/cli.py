@@ -1,0 +1,116 @@
+"""The ``embedq`` command line: a thin typer layer over the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from embedq.errors import EmbedqError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Quantize embedding and lm_head tables into loadable overlays.")
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"embedq: error: {e}", err=True)
+    raise typer.Exit(getattr(e, "exit_code", 2))
+
+
+def _run(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except EmbedqError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        typer.echo("embedq: interrupted; the source checkpoint is unchanged", err=True)
+        raise typer.Exit(130)
+    except OSError as e:
+        _fail(EmbedqError(f"{getattr(e, 'filename', '') or ''}: {e.strerror or e}"))
+
+
+@app.command()
+def quantize(
+    model: Path = typer.Argument(..., help="HF checkpoint folder"),
+    bits: int = typer.Option(8, "--bits", help="4 or 8"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Group size (default: per row for 8-bit, 32 for 4-bit; 0 = per row)"),
+    asym: bool = typer.Option(False, "--asym", help="Asymmetric (zero points)"),
+    method: str = typer.Option("rtn", "--method", help="rtn or mse"),
+    lm_head: bool = typer.Option(False, "--lm-head", help="Also quantize an untied lm_head"),
+    head_bits: Optional[int] = typer.Option(None, "--head-bits"),
+    head_group_size: Optional[int] = typer.Option(None, "--head-group-size"),
+    targets: Optional[str] = typer.Option(None, "--targets", help="Comma-separated tensor names: embedding[,head]"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write a derived checkpoint here"),
+    overlay_only: bool = typer.Option(False, "--overlay-only", help="With --output: only the overlay bundle"),
+    fmt: str = typer.Option("embedq", "--format", help="embedq or compressed-tensors (with --output)"),
+    force: bool = typer.Option(False, "--force", help="Replace an existing overlay / destination"),
+    trust_config: bool = typer.Option(False, "--trust-config"),
+    trust_tensors: bool = typer.Option(False, "--trust-tensors"),
+    scale_dtype: Optional[str] = typer.Option(None, "--scale-dtype", help="bfloat16, float16 or float32"),
+    chunk_rows: Optional[int] = typer.Option(None, "--chunk-rows", hidden=True),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars"),
+) -> None:
+    """Quantize the embedding (and head) of MODEL into an overlay."""
+    from embedq.overlays.write import quantize_checkpoint
+    if trust_config and trust_tensors:
+        _fail(EmbedqError("--trust-config and --trust-tensors exclude each other"))
+    trust = "config" if trust_config else "tensors" if trust_tensors else None
+    kwargs = dict(group_size=group_size, symmetric=not asym, method=method, lm_head=lm_head,
+                  head_bits=head_bits, head_group_size=head_group_size,
+                  targets=targets.split(",") if targets else None, output=output,
+                  overlay_only=overlay_only, force=force, trust=trust, scale_dtype=scale_dtype,
+                  chunk_rows=chunk_rows, progress=not (quiet or as_json))
+    if fmt == "compressed-tensors":
+        from embedq.overlays.compressed_tensors import quantize_compressed_tensors
+        report = _run(quantize_compressed_tensors, model, bits, **kwargs)
+    elif fmt == "embedq":
+        report = _run(quantize_checkpoint, model, bits, **kwargs)
+    else:
+        _fail(EmbedqError(f"--format {fmt!r}: expected embedq or compressed-tensors"))
+    typer.echo(report.to_json() if as_json else report.table())
+
+
+@app.command()
+def inspect(model: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show targets, tie status and bytes now / after int8 / after Q4."""
+    from embedq.overlays.inspect import format_inspect, inspect_checkpoint
+    d = _run(inspect_checkpoint, model)
+    typer.echo(json.dumps(d, indent=2) if as_json else format_inspect(d))
+
+
+@app.command()
+def remove(model: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Remove an in-place overlay; restores config.json and the index byte for byte."""
+    from embedq.overlays.state import remove_overlay
+    restored = _run(remove_overlay, model)
+    typer.echo(json.dumps({"restored": restored}) if as_json else f"removed embedq overlay from {model}")
+
+
+@app.command()
+def verify(model: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Re-read the overlay, check checksums against the source, print error metrics."""
+    from embedq.overlays.verify import verify_overlay
+    report = _run(verify_overlay, model)
+    typer.echo(report.to_json() if as_json else "overlay OK\n" + report.table())
+
+
+@app.command()
+def demo(
+    workdir: Optional[Path] = typer.Option(None, "--dir", help="Where to build the demo model"),
+    bits: int = typer.Option(8, "--bits"),
+) -> None:
+    """Build a small real transformers checkpoint locally, quantize it, print the table."""
+    from embedq.demo import run_demo
+    typer.echo(_run(run_demo, workdir, bits).table())
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

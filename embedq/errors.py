@@ -1,0 +1,25 @@
+"""Errors raised by embedq. The CLI prints them as one line and exits non-zero."""
+
+from __future__ import annotations
+
+
+class EmbedqError(Exception):
+    """A user-facing error: bad input, unsupported checkpoint, unsafe destination."""
+
+    exit_code = 2
+
+
+class CheckpointError(EmbedqError):
+    """The checkpoint on disk is missing, corrupt or inconsistent."""
+
+
+class TieError(EmbedqError):
+    """Config and tensors disagree on whether the embedding and head are tied."""
+
+
+class SchemeError(EmbedqError):
+    """The requested quantization scheme does not fit the tensor."""
+
+
+class OverlayError(EmbedqError):
+    """An overlay is missing, stale, half-written or does not match its source."""

@@ -1,0 +1,279 @@
+"""``embedq quantize``: stream the targets of a checkpoint into an overlay.
+
+In place (default) the overlay and its config are added beside untouched shards;
+with ``output`` a self-contained derived checkpoint is built (see
+:mod:`embedq.overlays.derived`). Nothing becomes visible until every byte of the
+overlay is written and fsynced; the edited JSON files are written last, each
+atomically, after their originals were backed up for :func:`remove`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from embedq.errors import CheckpointError, EmbedqError, OverlayError, SchemeError
+from embedq.overlays import state
+from embedq.overlays.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
+                                        Checkpoint)
+from embedq.overlays.config import QUANT_METHOD, build_config, module_entry
+from embedq.overlays.files import check_writable, write_json_atomic
+from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
+from embedq.overlays.targets import find_targets, resolve_ties
+from embedq.quantize.packing import pack_int32, pack_zero_points, packed_zero_point_rows
+from embedq.quantize.scheme import DTYPE_NAMES, Scheme, dtype_from_name
+from embedq.quantize.stream import ErrorStats, default_chunk_rows, iter_quantized
+from embedq.report import ModuleReport, Report
+
+ST_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@dataclass
+class ModulePlan:
+    module: str  # overlay module name, e.g. model.embed_tokens
+    tensor: str  # source tensor name
+    scheme: Scheme
+    role: str  # embedding | head | mtp
+    shape: tuple[int, int] = (0, 0)
+    dtype: torch.dtype = torch.bfloat16
+    file: str = ""
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.scheme.scale_dtype) if self.scheme.scale_dtype else self.dtype
+
+    def overlay_tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        rows, cols = self.shape
+        s = self.scheme
+        t = {
+            f"{self.module}.weight_packed": (torch.int32, (rows, cols * s.bits // 32)),
+            f"{self.module}.weight_scale": (self.scale_dtype, (rows, s.groups(cols))),
+            f"{self.module}.weight_shape": (torch.int64, (2,)),
+        }
+        if not s.symmetric:
+            t[f"{self.module}.weight_zero_point"] = (
+                torch.int32, (packed_zero_point_rows(rows, s.bits), s.groups(cols)))
+        return t
+
+
+def _strip_weight(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _tensors_identical(ckpt: Checkpoint, a: str, b: str) -> bool:
+    ta, tb = ckpt.tensor(a), ckpt.tensor(b)
+    if ta.shape != tb.shape or ta.dtype != tb.dtype:
+        return False
+    step = 64 << 20
+    with open(ckpt.path / ta.file, "rb") as fa, open(ckpt.path / tb.file, "rb") as fb:
+        for off in range(0, ta.nbytes, step):
+            n = min(step, ta.nbytes - off)
+            if os.pread(fa.fileno(), n, ta.file_offset + off) != os.pread(fb.fileno(), n, tb.file_offset + off):
+                return False
+    return True
+
+
+def _base_state(ckpt: Checkpoint, force: bool) -> dict | None:
+    """Undo a previous overlay in memory; return the original quantization_config."""
+    qc = ckpt.existing_quantization_config()
+    backup = state.read_backup(ckpt.path)
+    if qc and qc.get("quant_method") == QUANT_METHOD:
+        if backup is None:
+            raise OverlayError(
+                f"{ckpt.path}: already quantized by embedq and no original is recorded "
+                "(a derived checkpoint?); quantize its source instead")
+        if not force:
+            raise OverlayError(f"{ckpt.path}: already has an embedq overlay; "
+                               "pass --force to replace it or run `embedq remove` first")
+    if backup is not None:
+        # The original config (and index) as they were before any embedq run.
+        ckpt.config = json.loads(backup[CONFIG_NAME])
+        qc = ckpt.existing_quantization_config()
+    return qc
+
+
+def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
+                 head_scheme: Scheme | None = None, targets: list[str] | None = None,
+                 trust: str | None = None) -> tuple[list[ModulePlan], dict[str, str], bool]:
+    """Decide what to quantize: module plans, aliases, and whether the model is tied."""
+    t, tied_cfg = find_targets(ckpt, targets)
+    identical = _tensors_identical(ckpt, t.embedding, t.head) if t.head else None
+    tied = resolve_ties(t, tied_cfg, identical, trust, str(ckpt.path / CONFIG_NAME))
+    emb_mod = _strip_weight(t.embedding)
+    plans = [ModulePlan(emb_mod, t.embedding, scheme, "embedding")]
+    aliases: dict[str, str] = {}
+    if tied:
+        if head_scheme is not None and head_scheme != scheme:
+            # An explicit, recorded untie in quantized form: the head gets its own
+            # (higher-precision) table computed from the shared float table.
+            plans.append(ModulePlan(t.head_module, t.embedding, head_scheme, "head"))
+        else:
+            aliases[t.head_module] = emb_mod
+    elif lm_head:
+        plans.append(ModulePlan(_strip_weight(t.head), t.head, head_scheme or scheme, "head"))
+    for extra in t.extra_embeddings:
+        if _tensors_identical(ckpt, t.embedding, extra):
+            aliases[_strip_weight(extra)] = emb_mod
+        else:
+            plans.append(ModulePlan(_strip_weight(extra), extra, scheme, "mtp"))
+    for p in plans:
+        info = ckpt.tensor(p.tensor)
+        if info.dtype not in ST_TO_TORCH:
+            raise SchemeError(f"{ckpt.path / info.file}: {p.tensor} has dtype {info.dtype}; "
+                              "embedq quantizes BF16, F16 or F32 tables")
+        p.scheme.check_shape(info.shape, f"{ckpt.path / info.file}: {p.tensor}")
+        p.shape, p.dtype, p.file = tuple(info.shape), ST_TO_TORCH[info.dtype], info.file
+        p.aliases = sorted(a for a, o in aliases.items() if o == p.module)
+    return plans, aliases, tied
+
+
+def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadata: dict,
+                  chunk_rows: int | None = None, progress: bool = True
+                  ) -> tuple[StreamingSafetensorsWriter, dict[str, dict], list[ModuleReport]]:
+    """Stream every planned module into ``dest`` (finished, fsynced, not yet renamed)."""
+    declared: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for p in plans:
+        declared.update(p.overlay_tensors())
+    writer = StreamingSafetensorsWriter(dest, declared, metadata)
+    writer.open()
+    entries: dict[str, dict] = {}
+    reports: list[ModuleReport] = []
+    try:
+        for p in plans:
+            rows, cols = p.shape
+            cr = chunk_rows or default_chunk_rows(cols, torch.empty((), dtype=p.dtype).element_size())
+            src_hash = hashlib.sha256()
+            out_hash = {n: hashlib.sha256() for n in p.overlay_tensors()}
+            stats = ErrorStats()
+            zp_chunks: list[torch.Tensor] = []
+            path = ckpt.path / p.file
+            try:
+                f = safe_open(str(path), framework="pt")
+                sl = f.get_slice(p.tensor)
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: cannot read {p.tensor}: {e}") from None
+
+            def read_rows(a: int, b: int) -> torch.Tensor:
+                try:
+                    return sl[a:b]
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read rows {a}:{b} of {p.tensor}: {e}") from None
+
+            bar = tqdm(total=rows, desc=f"{p.module} {p.scheme.label()}", unit="row",
+                       disable=not progress, leave=False)
+            try:
+                for ch in iter_quantized(read_rows, p.shape, p.scheme, p.scale_dtype, cr, stats):
+                    src_hash.update(ch.source.contiguous().view(torch.uint8).numpy())
+                    packed = pack_int32(ch.q, p.scheme.bits)
+                    for name, t in ((f"{p.module}.weight_packed", packed),
+                                    (f"{p.module}.weight_scale", ch.scale)):
+                        writer.write(name, t, row=ch.row)
+                        out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
+                    if ch.zero_point is not None:
+                        zp_chunks.append(ch.zero_point)
+                    bar.update(ch.source.shape[0])
+            finally:
+                bar.close()
+            shape_t = torch.tensor([rows, cols], dtype=torch.int64)
+            writer.write(f"{p.module}.weight_shape", shape_t)
+            out_hash[f"{p.module}.weight_shape"].update(shape_t.numpy().tobytes())
+            if zp_chunks:
+                # Zero points are tiny (one per group); packing them along rows
+                # needs all rows, so they are collected and written at the end.
+                zp = pack_zero_points(torch.cat(zp_chunks), p.scheme.bits)
+                writer.write(f"{p.module}.weight_zero_point", zp)
+                out_hash[f"{p.module}.weight_zero_point"].update(zp.view(torch.uint8).numpy())
+            source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], "sha256": src_hash.hexdigest()}
+            entry = module_entry(p.scheme, p.shape, DTYPE_NAMES[p.scale_dtype], source,
+                                 {n: h.hexdigest() for n, h in out_hash.items()})
+            entry["role"] = p.role
+            entries[p.module] = entry
+            before = rows * cols * torch.empty((), dtype=p.dtype).element_size()
+            after = sum(torch.empty((), dtype=d).element_size() * _prod(s)
+                        for d, s in p.overlay_tensors().values())
+            reports.append(ModuleReport(p.module, p.tensor, [rows, cols], p.scheme.label(),
+                                        DTYPE_NAMES[p.dtype], before, after, stats.max_abs,
+                                        stats.rms, stats.rel_rms, p.role, p.aliases))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer, entries, reports
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: int | None = None,
+                        symmetric: bool = True, method: str = "rtn", lm_head: bool = False,
+                        head_bits: int | None = None, head_group_size: int | None = None,
+                        head_symmetric: bool | None = None, targets: list[str] | None = None,
+                        output: str | os.PathLike | None = None, overlay_only: bool = False,
+                        force: bool = False, trust: str | None = None,
+                        scale_dtype: str | None = None, chunk_rows: int | None = None,
+                        progress: bool = True) -> Report:
+    """Quantize a checkpoint's embedding (and head) into an embedq overlay.
+
+    Without ``output`` the overlay is added in place (source shards untouched;
+    ``config.json`` and the index are edited and restorable with :func:`remove`).
+    With ``output`` a derived, upload-ready checkpoint is written there instead.
+    """
+    t0 = time.perf_counter()
+    ckpt = Checkpoint.open(path)
+    base_qc = _base_state(ckpt, force) if output is None else _derived_base_state(ckpt)
+    scheme = Scheme.default(bits, symmetric, group_size, method, scale_dtype)
+    head_scheme = None
+    if head_bits is not None or head_group_size is not None or head_symmetric is not None:
+        hb = head_bits if head_bits is not None else bits
+        hg = head_group_size if head_group_size is not None else (group_size if hb == bits else None)
+        head_scheme = Scheme.default(hb, symmetric if head_symmetric is None else head_symmetric,
+                                     hg, method, scale_dtype)
+    plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
+                                        targets=targets, trust=trust)
+    if output is not None:
+        from embedq.overlays.derived import write_derived
+        report = write_derived(ckpt, plans, aliases, tied, base_qc, Path(output), force=force,
+                               overlay_only=overlay_only, chunk_rows=chunk_rows, progress=progress)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    check_writable(ckpt.path)
+    state.cleanup_partials(ckpt.path)
+    metadata = {"format": "embedq", "format_version": "1"}
+    writer, entries, reports = write_overlay(ckpt, plans, ckpt.path / OVERLAY_NAME, metadata,
+                                             chunk_rows, progress)
+    qconfig = build_config(entries, tied, aliases, base_qc)
+    try:
+        state.commit_in_place(ckpt, writer, qconfig)
+    except BaseException:
+        writer.abort()
+        raise
+    return Report(str(ckpt.path), "in-place", reports, tied, overlay=str(ckpt.path / OVERLAY_NAME),
+                  seconds=time.perf_counter() - t0)
+
+
+def _derived_base_state(ckpt: Checkpoint) -> dict | None:
+    qc = ckpt.existing_quantization_config()
+    if qc and qc.get("quant_method") == QUANT_METHOD:
+        backup = state.read_backup(ckpt.path)
+        if backup is None:
+            raise OverlayError(f"{ckpt.path}: already an embedq-derived checkpoint; use its source")
+        ckpt.config = json.loads(backup[CONFIG_NAME])
+        qc = ckpt.existing_quantization_config()
+    return qc
+
+
+__all__ = ["quantize_checkpoint", "plan_modules", "write_overlay", "ModulePlan", "EmbedqError"]
