@@ -108,6 +108,23 @@ def demo(
     typer.echo(_run(run_demo, workdir, bits).table())
 
 
+def _register_extensions() -> None:
+    import importlib
+
+    from embedq.cli_ext import TOPICS
+    for topic in TOPICS:
+        try:
+            mod = importlib.import_module(f"embedq.cli_ext.{topic}")
+        except ModuleNotFoundError as e:
+            if e.name == f"embedq.cli_ext.{topic}":
+                continue
+            raise
+        mod.register(app)
+
+
+_register_extensions()
+
+
 def main() -> None:  # pragma: no cover
     app()
 

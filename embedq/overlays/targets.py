@@ -105,7 +105,7 @@ def _map_to_checkpoint(ckpt: Checkpoint, module: str) -> str | None:
     if ckpt.has(exact):
         return exact
     parts = exact.split(".")
-    for k in range(len(parts) - 1, 1, -1):
+    for k in range(len(parts), 1, -1):
         suffix = ".".join(parts[-k:])
         hits = [n for n in ckpt.weight_map if (n == suffix or n.endswith("." + suffix)) and not _is_mtp(n)]
         if len(hits) == 1:
@@ -172,8 +172,12 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         head = heads[0] if len(heads) == 1 else None
     if head == emb:
         head = None
-    if head_module is None:
-        head_module = head[: -len(".weight")] if head else _default_head_module(emb)
+    if head is not None:
+        head_module = head[: -len(".weight")]
+    elif head_module is None or (names and emb != names[0] + ".weight"):
+        # The checkpoint uses another layout than the module tree: name the
+        # (absent, tied) head in the checkpoint's layout, as back ends see it.
+        head_module = _default_head_module(emb)
     extras = []
     emb_shape = ckpt.tensor(emb).shape
     for n in ckpt.weight_map:
