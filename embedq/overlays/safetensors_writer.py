@@ -29,6 +29,11 @@ _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _ST_DTYPES}
 
 PARTIAL_SUFFIX = ".partial"
 
+# Test hook: kill this process (SIGKILL, no cleanup) after N data writes, so tests
+# can prove that an interrupted run never leaves a valid-looking overlay.
+_KILL_AFTER = int(os.environ.get("EMBEDQ_TEST_KILL_AFTER_WRITES", "0") or 0)
+_writes_done = 0
+
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
     return _ST_DTYPES[dtype]
@@ -115,6 +120,12 @@ class StreamingSafetensorsWriter:
 
     def write_bytes(self, name: str, buf, offset: int = 0) -> None:
         """Write raw little-endian bytes of tensor ``name`` at byte ``offset`` within it."""
+        global _writes_done
+        if _KILL_AFTER:
+            _writes_done += 1
+            if _writes_done > _KILL_AFTER:
+                import signal
+                os.kill(os.getpid(), signal.SIGKILL)
         _, _, start, nbytes = self._specs[name]
         buf = memoryview(buf).cast("B")
         off = offset
