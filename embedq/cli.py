@@ -51,6 +51,9 @@ def quantize(
     trust_tensors: bool = typer.Option(False, "--trust-tensors"),
     scale_dtype: Optional[str] = typer.Option(None, "--scale-dtype", help="bfloat16, float16 or float32"),
     chunk_rows: Optional[int] = typer.Option(None, "--chunk-rows", hidden=True),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Hub id of the source, for the model card (with --output)"),
+    base_revision: Optional[str] = typer.Option(None, "--base-revision", help="Hub revision of the source, for the model card"),
+    eval_file: Optional[Path] = typer.Option(None, "--eval", help="`embedq eval --json` results to put in the model card"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars"),
 ) -> None:
@@ -64,6 +67,8 @@ def quantize(
                   targets=targets.split(",") if targets else None, output=output,
                   overlay_only=overlay_only, force=force, trust=trust, scale_dtype=scale_dtype,
                   chunk_rows=chunk_rows, progress=not (quiet or as_json))
+    if base_model or base_revision or eval_file:
+        kwargs.update(base_model=base_model, base_revision=base_revision, eval_results=eval_file)
     if fmt == "compressed-tensors":
         from embedq.overlays.compressed_tensors import quantize_compressed_tensors
         report = _run(quantize_compressed_tensors, model, bits, **kwargs)

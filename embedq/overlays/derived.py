@@ -52,7 +52,8 @@ def rewrite_shard_without(src: Path, dst: Path, drop: set[str]) -> dict[str, int
 def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                   base_qc: dict | None, output: Path, *, force: bool = False,
                   overlay_only: bool = False, chunk_rows: int | None = None,
-                  progress: bool = True) -> Report:
+                  progress: bool = True, base_model: str | None = None,
+                  base_revision: str | None = None, eval_results=None) -> Report:
     """Build a derived checkpoint (or an overlay-only bundle) at ``output``."""
     from embedq.overlays.write import write_overlay
     output = output.resolve()
@@ -91,6 +92,10 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
             write_json_atomic(stage / CONFIG_NAME, config)
         report = Report(str(ckpt.path), "overlay-only" if overlay_only else "derived", reports, tied,
                         overlay=str(output / OVERLAY_NAME), output=str(output))
+        # Inputs of the model card (embedq.overlays.card reads them from here).
+        report.extra.update({k: v for k, v in (("base_model", base_model),
+                                                ("base_revision", base_revision),
+                                                ("eval", eval_results)) if v is not None})
         try:
             from embedq.overlays.card import write_card
             write_card(stage, ckpt, report, qconfig)

@@ -224,12 +224,16 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                         output: str | os.PathLike | None = None, overlay_only: bool = False,
                         force: bool = False, trust: str | None = None,
                         scale_dtype: str | None = None, chunk_rows: int | None = None,
-                        progress: bool = True) -> Report:
+                        progress: bool = True, base_model: str | None = None,
+                        base_revision: str | None = None, eval_results=None) -> Report:
     """Quantize a checkpoint's embedding (and head) into an embedq overlay.
 
     Without ``output`` the overlay is added in place (source shards untouched;
     ``config.json`` and the index are edited and restorable with :func:`remove`).
     With ``output`` a derived, upload-ready checkpoint is written there instead.
+    ``base_model`` / ``base_revision`` (Hub id and revision of the source) and
+    ``eval_results`` (an ``embedq eval`` result dict or JSON file) go into the model
+    card written with ``output``.
     """
     t0 = time.perf_counter()
     ckpt = Checkpoint.open(path)
@@ -246,7 +250,9 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
     if output is not None:
         from embedq.overlays.derived import write_derived
         report = write_derived(ckpt, plans, aliases, tied, base_qc, Path(output), force=force,
-                               overlay_only=overlay_only, chunk_rows=chunk_rows, progress=progress)
+                               overlay_only=overlay_only, chunk_rows=chunk_rows, progress=progress,
+                               base_model=base_model, base_revision=base_revision,
+                               eval_results=eval_results)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -261,8 +267,12 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
     except BaseException:
         writer.abort()
         raise
+    warnings = []
+    if base_model or base_revision or eval_results is not None:
+        warnings.append("--base-model/--base-revision/--eval only go into the model card, "
+                        "which is written with --output; ignored")
     return Report(str(ckpt.path), "in-place", reports, tied, overlay=str(ckpt.path / OVERLAY_NAME),
-                  seconds=time.perf_counter() - t0)
+                  seconds=time.perf_counter() - t0, warnings=warnings)
 
 
 def _derived_base_state(ckpt: Checkpoint) -> dict | None:
