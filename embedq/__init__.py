@@ -43,5 +43,20 @@ def load_overlay(path):
     return _load(path)
 
 
-__all__ = ["quantize", "inspect", "remove", "verify", "load_overlay", "Report", "ModuleReport",
-           "EmbedqError", "__version__"]
+def push(folder, repo_id: str, private: bool = False, revision: str | None = None,
+         dry_run: bool = False, token: str | None = None, **kwargs):
+    """Upload an embedq checkpoint or overlay bundle to the Hub (see :func:`embedq.publish.push`)."""
+    from embedq.publish import push as _push
+    return _push(folder, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
+                 **kwargs)
+
+
+def apply(base, overlay, force: bool = False) -> Report:
+    """Lay an overlay-only bundle onto a local copy of its base, in place (see
+    :func:`embedq.overlays.apply.apply_overlay`)."""
+    from embedq.overlays.apply import apply_overlay
+    return apply_overlay(base, overlay, force=force)
+
+
+__all__ = ["quantize", "inspect", "remove", "verify", "load_overlay", "push", "apply", "Report",
+           "ModuleReport", "EmbedqError", "__version__"]

@@ -81,5 +81,12 @@ class Report:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
+    def to_model_card(self, **kwargs) -> str:
+        """The Hub model card (README.md text) for this run; see
+        :func:`embedq.overlays.card.render_report_card` for ``base_model``, ``base_revision``,
+        ``eval_results``, ``repo_id``, ``license``."""
+        from embedq.overlays.card import render_report_card
+        return render_report_card(self, **kwargs)
+
     def __str__(self) -> str:
         return self.table()
