@@ -29,9 +29,11 @@ _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _ST_DTYPES}
 
 PARTIAL_SUFFIX = ".partial"
 
-# Test hook: kill this process (SIGKILL, no cleanup) after N data writes, so tests
-# can prove that an interrupted run never leaves a valid-looking overlay.
+# Test hook: signal this process (SIGKILL by default: no cleanup at all) after N
+# data writes, so tests can prove an interrupted run never leaves a valid-looking
+# overlay and never touches the source.
 _KILL_AFTER = int(os.environ.get("EMBEDQ_TEST_KILL_AFTER_WRITES", "0") or 0)
+_KILL_SIGNAL = os.environ.get("EMBEDQ_TEST_KILL_SIGNAL", "KILL")
 _writes_done = 0
 
 
@@ -125,7 +127,7 @@ class StreamingSafetensorsWriter:
             _writes_done += 1
             if _writes_done > _KILL_AFTER:
                 import signal
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, "SIG" + _KILL_SIGNAL))
         _, _, start, nbytes = self._specs[name]
         buf = memoryview(buf).cast("B")
         off = offset
