@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment in which embedq's vLLM back end is tested.
+#
+# vLLM 0.33.0 pins torch==2.14.0 and transformers<5.21, which clash with the main
+# environment, so it gets its own venv, cached outside the repository:
+#     ${EMBEDQ_CACHE:-$HOME/.cache/embedq}/vllm-venv
+# Idempotent: a complete venv (marker file present, right vLLM version) is reused as is;
+# only the editable embedq install is refreshed (cheap), so a moved checkout still works.
+#
+# Prints the venv's python path on its last line of stdout.
+set -euo pipefail
+
+VLLM_VERSION="${EMBEDQ_VLLM_VERSION:-0.33.0}"
+CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
+VENV="${EMBEDQ_VLLM_VENV:-$CACHE/vllm-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MARKER="$VENV/.embedq-vllm-$VLLM_VERSION.ok"
+PY="$VENV/bin/python"
+
+log() { echo "[setup_vllm_venv] $*" >&2; }
+
+# pip must be able to take the torch release vLLM pins. A machine-wide pip constraint file
+# (torch<=X) is honoured as long as it admits the pin; PIP_CONSTRAINT is cleared only for
+# this venv's installs when the pin is above the cap (the pin is exact, so nothing looser
+# can sneak in).
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [[ -f "$MARKER" && -x "$PY" ]]; then
+    log "reusing $VENV (vllm $VLLM_VERSION)"
+else
+    mkdir -p "$CACHE"
+    # A half-built venv (killed install) is rebuilt from scratch: no marker, no trust.
+    if [[ -d "$VENV" ]]; then
+        log "removing incomplete venv $VENV"
+        rm -rf "$VENV"
+    fi
+    start=$(date +%s)
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+    "$PY" -m pip install --upgrade pip >&2
+    log "installing vllm==$VLLM_VERSION (pulls torch and its CUDA libraries: several GB)"
+    "$PY" -m pip install "vllm==$VLLM_VERSION" >&2
+    touch "$MARKER"
+    log "vllm installed in $(( $(date +%s) - start ))s; venv size $(du -sh "$VENV" | cut -f1)"
+fi
+
+# embedq itself, editable, without letting its own dependency ranges move vLLM's pins
+# (embedq's pyproject pins the CPU torch of the main environment).
+"$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2 \
+    || "$PY" -m pip install -q --no-deps -e "$REPO" >&2
+# What embedq needs that vLLM did not bring, with vLLM's torch/transformers held fixed;
+# pytest for the tests. A stamp of pyproject.toml skips this when nothing changed.
+STAMP="$VENV/.embedq-deps.$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
+if [[ ! -f "$STAMP" ]]; then
+    CONSTRAINTS="$VENV/.embedq-constraints.txt"
+    "$PY" -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|numpy|safetensors|huggingface.hub|tokenizers)==' \
+        > "$CONSTRAINTS"
+    mapfile -t DEPS < <("$PY" - "$REPO/pyproject.toml" <<'PYEOF'
+import re, sys, tomllib
+deps = tomllib.load(open(sys.argv[1], "rb"))["project"].get("dependencies", [])
+for d in deps:
+    name = re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower()
+    if name not in ("torch", "transformers", "numpy", "safetensors", "huggingface_hub", "huggingface-hub"):
+        print(d)
+PYEOF
+)
+    log "embedq dependencies: ${DEPS[*]:-none} (+ pytest)"
+    "$PY" -m pip install -q -c "$CONSTRAINTS" "${DEPS[@]}" pytest >&2
+    rm -f "$VENV"/.embedq-deps.*
+    touch "$STAMP"
+fi
+
+echo "$PY"
