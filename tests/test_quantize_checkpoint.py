@@ -268,3 +268,25 @@ def test_derived_single_file_rewrites_without_table(model_factory):
     got = load_file(out / "model.safetensors")
     for k in keys:
         assert torch.equal(got[k], src[k])
+
+
+@pytest.mark.parametrize("bits,kw", [(8, {}), (4, {"symmetric": False}), (8, {"group_size": 16, "symmetric": False})])
+def test_overlay_file_decompresses_with_compressed_tensors(model_factory, bits, kw):
+    """The overlay on disk, read by safetensors and decompressed by compressed-tensors."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    path = model_factory("llama_untied_sharded")
+    embedq.quantize(path, bits=bits, lm_head=True, progress=False, **kw)
+    qc = json.loads((path / "quantization_config.json").read_text())
+    tensors = load_file(path / "embedq.safetensors")
+    for module, e in qc["modules"].items():
+        args = QuantizationArgs(num_bits=e["num_bits"], type="int", symmetric=e["symmetric"],
+                                strategy=e["strategy"], group_size=e["group_size"])
+        sd = {k[len(module) + 1:]: v for k, v in tensors.items() if k.startswith(module + ".")}
+        w = PackedQuantizationCompressor.decompress(sd, QuantizationScheme(targets=["Embedding"], weights=args))["weight"]
+        x = _source_table(path, e["source"]["tensor"]).float()
+        scale = sd["weight_scale"].float()
+        step = scale.repeat_interleave(x.shape[1] // scale.shape[1], dim=1)
+        # ct returns bf16: allow its final rounding on top of half a step
+        assert bool(((w.float() - x).abs() <= step / 2 + x.abs() * 2 ** -8 + 1e-6).all())
+        assert torch.equal(w, load_overlay(path).tables[module].dequantize(torch.bfloat16))
