@@ -58,5 +58,29 @@ def apply(base, overlay, force: bool = False) -> Report:
     return apply_overlay(base, overlay, force=force)
 
 
-__all__ = ["quantize", "inspect", "remove", "verify", "load_overlay", "push", "apply", "Report",
+def load(path, **from_pretrained_kwargs):
+    """Load a checkpoint with an embedq overlay into transformers (quantized modules)."""
+    from embedq.backends.transformers import load as _load
+    return _load(path, **from_pretrained_kwargs)
+
+
+def evaluate(path, **kwargs):
+    """KLD of the overlaid model against the float one (see :func:`embedq.evaluate.evaluate`)."""
+    from embedq.evaluate import evaluate as _evaluate
+    return _evaluate(path, **kwargs)
+
+
+def plan(path, **kwargs):
+    """KV-cache capacity before/after the overlay (see :func:`embedq.plan.plan`)."""
+    from embedq.plan import plan as _plan
+    return _plan(path, **kwargs)
+
+
+# ``AutoModel*.from_pretrained`` understands ``quant_method: embedq`` once transformers'
+# quantizer registry is imported (registered then, so ``import embedq`` stays cheap).
+from embedq.backends.transformers import install_import_hook as _install_hook  # noqa: E402
+
+_install_hook()
+
+__all__ = ["quantize", "load", "evaluate", "plan", "inspect", "remove", "verify", "load_overlay", "push", "apply", "Report",
            "ModuleReport", "EmbedqError", "__version__"]
