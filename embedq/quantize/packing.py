@@ -72,7 +72,10 @@ def pack_zero_points(zp: torch.Tensor, bits: int) -> torch.Tensor:
     u = to_unsigned(zp, bits).t()  # [groups, rows]
     if padded > rows:
         u = torch.nn.functional.pad(u, (0, padded - rows))
-    return pack_bytes(u.contiguous(), bits).view(torch.int32).t().contiguous()
+    # reshape(-1) first: a [1, n] tensor may keep a stride of 1 in dim 0, which
+    # .view(torch.int32) refuses (per-row asymmetric tables have one group)
+    packed = pack_bytes(u.contiguous(), bits).reshape(-1).view(torch.int32)
+    return packed.reshape(groups, -1).t().contiguous()
 
 
 def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
