@@ -46,8 +46,10 @@ fi
 
 # embedq itself, editable, without letting its own dependency ranges move vLLM's pins
 # (embedq's pyproject pins the CPU torch of the main environment).
-"$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2 \
-    || "$PY" -m pip install -q --no-deps -e "$REPO" >&2
+if ! out=$("$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" 2>&1); then
+    echo "$out" >&2
+    "$PY" -m pip install -q --no-deps -e "$REPO" >&2
+fi
 # What embedq needs that vLLM did not bring, with vLLM's torch/transformers held fixed;
 # pytest for the tests. A stamp of pyproject.toml skips this when nothing changed.
 STAMP="$VENV/.embedq-deps.$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"

@@ -103,6 +103,28 @@ def unpack_zero_point_rows(packed_zp: torch.Tensor, bits: int, start: int, count
     return (u - (1 << (bits - 1))).t().to(torch.int8).contiguous()
 
 
+def pack_zero_point_rows(zp: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """Signed zero points [n, groups] (n <= rows) to the compressed-tensors layout for
+    ``rows`` rows: int32 [ceil(rows*bits/32), groups], packed along dim 0; missing rows
+    are stored as code 0 (u = 0), as ``pack_to_int32`` pads."""
+    pf = 32 // bits
+    words = -(-rows // pf)
+    u = torch.zeros(words * pf, zp.shape[1], dtype=torch.int64, device=zp.device)
+    u[: zp.shape[0]] = zp.to(torch.int64) + (1 << (bits - 1))
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=zp.device)
+    w = (u.reshape(words, pf, -1) << shifts.reshape(1, pf, 1)).sum(dim=1)
+    w = torch.where(w >= (1 << 31), w - (1 << 32), w)
+    return w.to(torch.int32)
+
+
+def zero_points_of(packed_zp: torch.Tensor, bits: int, ids: torch.Tensor) -> torch.Tensor:
+    """Signed zero points (int32 [..., groups]) of rows ``ids`` from a packed-along-rows table."""
+    pf = 32 // bits
+    words = packed_zp[torch.div(ids, pf, rounding_mode="floor")]
+    shift = ((ids % pf) * bits).to(torch.int32).unsqueeze(-1)
+    return ((words >> shift) & ((1 << bits) - 1)) - (1 << (bits - 1))
+
+
 def scheme_of(entry: dict) -> tuple[int, int | None, bool]:
     """(bits, group_size or None, symmetric) of a ``modules`` entry."""
     bits = int(entry["num_bits"])
@@ -555,11 +577,12 @@ def _build_impl():  # noqa: C901 - one closure holding every vLLM-facing class
             layer.register_parameter("weight_scale", scale)
             layer.register_parameter("weight_shape", shape)
             if not spec.symmetric:
-                zp = Parameter(torch.zeros(rows, spec.groups, dtype=torch.int8),
-                               requires_grad=False)
+                # Kept packed along rows as on disk (int32), for this partition's rows.
+                zp = Parameter(torch.zeros(-(-rows * spec.bits // 32), spec.groups,
+                                           dtype=torch.int32), requires_grad=False)
 
                 def zp_loader(param, loaded_weight, _layer=layer):
-                    # On disk: int32 [ceil(rows*bits/32), groups], packed along rows.
+                    # On disk: int32 [ceil(rows*bits/32), groups] for the whole vocabulary.
                     si = _layer.shard_indices
                     start, count = si.org_vocab_start_index, si.num_org_elements
                     want = -(-spec.rows * spec.bits // 32)
@@ -569,8 +592,7 @@ def _build_impl():  # noqa: C901 - one closure holding every vLLM-facing class
                             f"{tuple(loaded_weight.shape)}, expected {(want, spec.groups)}")
                     part = unpack_zero_point_rows(loaded_weight.to(torch.int32), spec.bits,
                                                   start, count)
-                    param.data[:count].copy_(part)
-                    param.data[count:].fill_(0)
+                    param.data.copy_(pack_zero_point_rows(part, spec.bits, rows))
                     _mark_loaded(param)
 
                 set_weight_attrs(zp, {"weight_loader": zp_loader})
@@ -632,22 +654,29 @@ def _build_impl():  # noqa: C901 - one closure holding every vLLM-facing class
         # -- compute --
         def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
             ids = input_.reshape(-1)
-            zp = layer.weight_zero_point[ids] if not self.spec.symmetric else None
+            zp = (None if self.spec.symmetric
+                  else zero_points_of(layer.weight_zero_point, self.spec.bits, ids))
             out = dequantize_rows(layer.weight_packed[ids], layer.weight_scale[ids], zp,
                                   self.spec.bits, self.spec.cols, layer.params_dtype)
             return out.reshape(*input_.shape, self.spec.cols)
 
         def dequantize_weight(self, layer) -> torch.Tensor:
             """The partition's full float table (for tests and re-quantization)."""
-            zp = layer.weight_zero_point if not self.spec.symmetric else None
+            rows = layer.weight_packed.shape[0]
+            zp = (None if self.spec.symmetric else zero_points_of(
+                layer.weight_zero_point, self.spec.bits,
+                torch.arange(rows, device=layer.weight_packed.device)))
             return dequantize_rows(layer.weight_packed, layer.weight_scale, zp,
                                    self.spec.bits, self.spec.cols, layer.params_dtype)
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             """Logits ``x @ W^T`` over the padded partition, dequantizing W chunk by chunk."""
             packed, scale = layer.weight_packed, layer.weight_scale
-            zps = layer.weight_zero_point if not self.spec.symmetric else None
             rows = packed.shape[0]
+            zps = None
+            if not self.spec.symmetric:
+                zps = zero_points_of(layer.weight_zero_point, self.spec.bits,
+                                     torch.arange(rows, device=packed.device))
             step = max(64, _CHUNK_ELEMS // max(1, self.spec.cols))
             out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
             for r0 in range(0, rows, step):

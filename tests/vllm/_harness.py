@@ -1,0 +1,153 @@
+"""Helpers: tiny checkpoints built from configs, and vLLM models built through vLLM's own
+engine config, model registry, ``get_model`` and ``DefaultModelLoader`` on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def configure_env() -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_checkpoint(kind: str, path: Path) -> Path:
+    """A tiny random checkpoint written by transformers' own save_pretrained."""
+    import transformers as tf
+    torch.manual_seed(0)
+    if kind == "llama":  # untied, sharded (embedding and head in different shards)
+        cfg = tf.LlamaConfig(vocab_size=1000, tie_word_embeddings=False, **COMMON)
+        model, kw = tf.LlamaForCausalLM(cfg), {"max_shard_size": "100KB"}
+    elif kind == "qwen2":  # tied, single file; vocab not a multiple of 64 (padding)
+        cfg = tf.Qwen2Config(vocab_size=500, tie_word_embeddings=True, **COMMON)
+        model, kw = tf.Qwen2ForCausalLM(cfg), {}
+    elif kind == "gemma3":  # tied, Gemma3ForCausalLM (gemma3_text)
+        cfg = tf.Gemma3TextConfig(vocab_size=520, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=16, sliding_window=16,
+                                  tie_word_embeddings=True)
+        model, kw = tf.Gemma3ForCausalLM(cfg), {}
+    else:
+        raise ValueError(kind)
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():  # make the table's rows differ in scale (per-row scales matter)
+        emb = model.get_input_embeddings().weight
+        emb.mul_(torch.linspace(0.2, 3.0, emb.shape[0]).unsqueeze(1).to(emb.dtype))
+    model.save_pretrained(path, **kw)
+    return path
+
+
+class Builder:
+    """Caches pristine checkpoints; hands out quantized copies."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._pristine: dict[str, Path] = {}
+
+    def pristine(self, kind: str) -> Path:
+        if kind not in self._pristine:
+            self._pristine[kind] = build_checkpoint(kind, self.root / f"pristine-{kind}")
+        return self._pristine[kind]
+
+    def quantized(self, kind: str, tag: str, derived: bool = False, **qkw) -> Path:
+        import embedq
+        src = self.pristine(kind)
+        if derived:
+            out = self.root / f"{kind}-{tag}-derived"
+            if not out.exists():
+                embedq.quantize(str(src), output=str(out), **qkw)
+            return out
+        dst = self.root / f"{kind}-{tag}"
+        if not dst.exists():
+            shutil.copytree(src, dst)
+            embedq.quantize(str(dst), **qkw)
+        return dst
+
+
+_dist_ready = False
+
+
+def init_single_process() -> None:
+    """gloo world of one, tensor/pipeline parallel 1 (once per process)."""
+    global _dist_ready
+    if _dist_ready:
+        return
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+    initialize_model_parallel(1, 1)
+    _dist_ready = True
+
+
+def engine_config(model_dir, tp: int = 1, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", enforce_eager=True,
+                      max_model_len=128, max_num_seqs=4, tensor_parallel_size=tp,
+                      distributed_executor_backend="mp" if tp > 1 else None, **kw)
+    return args.create_engine_config()
+
+
+def load_model(model_dir, **kw):
+    """vLLM's own model class, built and loaded by vLLM's own get_model path."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+    vc = engine_config(model_dir, **kw)
+    with set_current_vllm_config(vc):
+        init_single_process()
+        model = get_model(vllm_config=vc)
+    return vc, model
+
+
+def vocab_layers(model):
+    """(embedding layer, lm_head layer) of a vLLM causal LM."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+    embeds, heads = [], []
+    for _, m in model.named_modules():
+        if isinstance(m, ParallelLMHead):
+            heads.append(m)
+        elif isinstance(m, VocabParallelEmbedding):
+            embeds.append(m)
+    assert len(embeds) == 1 and len(heads) <= 1, (embeds, heads)
+    return embeds[0], (heads[0] if heads else None)
+
+
+def reference(model_dir, module: str, dtype=torch.bfloat16) -> torch.Tensor:
+    """The dequantized table per embedq's own reader (independent of the plugin)."""
+    import embedq
+    ov = embedq.load_overlay(model_dir)
+    return ov.table_for(module).dequantize(dtype)
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,187 @@
+"""vLLM's own model classes, engine config, get_model and DefaultModelLoader, on CPU,
+loading embedq overlays through the plugin; results against embedq's own dequantization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _harness import load_model, param_bytes, reference, vocab_layers
+
+import embedq.backends.vllm as ev
+
+ev.register()
+
+SCHEMES = {
+    "q8": dict(bits=8),
+    "q4g32": dict(bits=4),  # default group 32
+    "q8asym_g16": dict(bits=8, group_size=16, symmetric=False),
+    "q4asym_row": dict(bits=4, group_size=None, symmetric=False),
+}
+
+
+def _expected_bytes(rows_padded: int, cfg_entry: dict) -> int:
+    bits, gs, sym = ev.scheme_of(cfg_entry)
+    rows, cols = cfg_entry["shape"]
+    groups = 1 if gs is None else cols // gs
+    sd = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg_entry["scale_dtype"]]
+    n = rows_padded * cols * bits // 8 + rows_padded * groups * sd + 16
+    if not sym:
+        n += -(-rows_padded * bits // 32) * groups * 4  # packed along rows, as on disk
+    return n
+
+
+def _check_embedding(model_dir, layer, module, dtype=torch.bfloat16):
+    ref = reference(model_dir, module, dtype)
+    vocab = ref.shape[0]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.tensor([0, vocab - 1]), torch.randint(0, vocab, (62,), generator=g)])
+    got = layer(ids)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref[ids], rtol=0, atol=0)
+    return ref
+
+
+def _check_logits(model, head, ref, dtype=torch.bfloat16):
+    vocab, hidden = ref.shape
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(5, hidden, generator=g).to(dtype)
+    logits = model.compute_logits(h)
+    assert logits.shape == (5, vocab)
+    expected = h.float() @ ref.float().t()
+    soft_cap = getattr(model.config, "final_logit_softcapping", None)
+    if soft_cap:
+        expected = torch.tanh(expected / soft_cap) * soft_cap
+    torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2)
+    # the head's own matmul against a dense product in the same dtype: tight
+    direct = head.quant_method.apply(head, h)[:, :vocab]
+    torch.testing.assert_close(direct.float(), (h @ ref.t()).float(), rtol=1e-2, atol=1e-2)
+
+
+def _check_memory(model_dir, layer, module):
+    qc = json.loads((model_dir / "quantization_config.json").read_text())
+    entry = qc["modules"][module]
+    assert layer.weight.numel() == 0  # the float table is not held
+    assert layer.weight_packed.dtype == torch.int32
+    assert param_bytes(layer) == _expected_bytes(layer.num_embeddings_per_partition, entry)
+    rows, cols = entry["shape"]
+    float_bytes = rows * cols * 2
+    assert param_bytes(layer) < float_bytes * (0.75 if ev.scheme_of(entry)[0] == 8 else 0.5)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_qwen2_tied(builder, scheme):
+    d = builder.quantized("qwen2", scheme, **SCHEMES[scheme])
+    vc, model = load_model(d)
+    assert vc.model_config.quantization == "embedq"
+    embed, head = vocab_layers(model)
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert isinstance(head.quant_method, ev.EmbedqMethod)
+    # tied: one table, shared by parameter identity
+    assert head.weight_packed is embed.weight_packed
+    assert head.weight_scale is embed.weight_scale
+    names = {n for n, _ in model.named_parameters()}
+    assert "lm_head.weight_packed" not in names  # de-duplicated: held once
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref)
+    _check_memory(d, embed, "model.embed_tokens")
+
+
+def test_qwen2_tied_derived(builder):
+    d = builder.quantized("qwen2", "q4g32", derived=True, bits=4)
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert head.weight_packed is embed.weight_packed
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref)
+
+
+@pytest.mark.parametrize("derived", [False, True], ids=["inplace", "derived"])
+def test_llama_untied_quantized_head(builder, derived):
+    # Llama builds its embedding without a layer name: matched by shape.
+    d = builder.quantized("llama", "q8-head4", derived=derived, bits=8, lm_head=True,
+                          head_bits=4, head_group_size=32)
+    if not derived:
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        assert "model.embed_tokens.weight" in index["weight_map"]  # float still in a shard
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert isinstance(head.quant_method, ev.EmbedqMethod)
+    assert head.weight_packed is not embed.weight_packed
+    assert head.quant_method.spec.bits == 4 and embed.quant_method.spec.bits == 8
+    _check_embedding(d, embed, "model.embed_tokens")
+    ref_head = reference(d, "lm_head")
+    _check_logits(model, head, ref_head)
+    _check_memory(d, embed, "model.embed_tokens")
+    _check_memory(d, head, "lm_head")
+
+
+def test_llama_untied_float_head(builder):
+    d = builder.quantized("llama", "q4-embed-only", bits=4)
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert not isinstance(head.quant_method, ev.EmbedqMethod)
+    _check_embedding(d, embed, "model.embed_tokens")
+    # the float head loaded from the checkpoint
+    from safetensors import safe_open
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    with safe_open(str(d / index["weight_map"]["lm_head.weight"]), "pt") as f:
+        w = f.get_tensor("lm_head.weight")
+    torch.testing.assert_close(head.weight[: w.shape[0]], w)
+
+
+@pytest.mark.parametrize("scheme", ["q8", "q4g32"])
+def test_gemma3_tied(builder, scheme):
+    d = builder.quantized("gemma3", scheme, **SCHEMES[scheme])
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert head.weight_packed is embed.weight_packed
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref)
+    # Gemma scales the embedding by sqrt(hidden) in embed_input_ids
+    ids = torch.tensor([3, 7, 11])
+    normalizer = torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.bfloat16)
+    torch.testing.assert_close(model.embed_input_ids(ids), ref[ids] * normalizer)
+    _check_memory(d, embed, "model.embed_tokens")
+
+
+def test_folder_fallback_quantization_flag(builder):
+    """config.json untouched, ``--quantization embedq``: vLLM reads quantization_config.json."""
+    d = builder.quantized("qwen2", "q8-flag", bits=8)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(cfg))
+    vc, model = load_model(d, quantization="embedq")
+    assert vc.model_config.quantization == "embedq"
+    embed, head = vocab_layers(model)
+    _check_embedding(d, embed, "model.embed_tokens")
+
+
+def test_unloaded_table_is_an_error(builder, tmp_path):
+    """An overlay the loader never sees (not in the index) fails loudly, not silently."""
+    import shutil
+    src = builder.quantized("llama", "q8-unlisted", bits=8)
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if v != "embedq.safetensors" and not k.endswith("weight_packed")
+                           and not k.endswith(("weight_scale", "weight_shape"))}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(RuntimeError, match="not loaded"):
+        load_model(d)
+
+
+def test_entry_point_registers_method():
+    """The ``vllm.general_plugins`` entry point (pyproject) reaches :func:`register`."""
+    from importlib.metadata import entry_points
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "embedq"]
+    assert eps, "pyproject.toml lacks: [project.entry-points.\"vllm.general_plugins\"] " \
+        + ev.ENTRY_POINT
+    assert eps[0].load() is ev.register
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    assert "embedq" in QUANTIZATION_METHODS
