@@ -74,8 +74,12 @@ def pack_zero_points(zp: torch.Tensor, bits: int) -> torch.Tensor:
         u = torch.nn.functional.pad(u, (0, padded - rows))
     # reshape(-1) first: a [1, n] tensor may keep a stride of 1 in dim 0, which
     # .view(torch.int32) refuses (per-row asymmetric tables have one group)
-    packed = pack_bytes(u.contiguous(), bits).reshape(-1).view(torch.int32)
-    return packed.reshape(groups, -1).t().contiguous()
+    packed = pack_bytes(u.contiguous(), bits).reshape(-1).view(torch.int32).reshape(groups, -1)
+    # a fresh tensor: .contiguous() of a [n, 1] transpose keeps a stride of n in dim 1,
+    # which later .view(torch.uint8) refuses
+    out = torch.empty(packed.shape[1], groups, dtype=torch.int32)
+    out.copy_(packed.t())
+    return out
 
 
 def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
