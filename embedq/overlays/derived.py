@@ -56,6 +56,11 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                   base_revision: str | None = None, eval_results=None) -> Report:
     """Build a derived checkpoint (or an overlay-only bundle) at ``output``."""
     from embedq.overlays.write import write_overlay
+    try:  # fail on bad card inputs before any work
+        from embedq.overlays.card import check_card_inputs
+        eval_results = check_card_inputs(base_model, base_revision, eval_results)
+    except ImportError:
+        pass
     output = output.resolve()
     if output == ckpt.path.resolve():
         raise OverlayError(f"{output}: --output must differ from the source folder")
