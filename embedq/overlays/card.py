@@ -68,6 +68,13 @@ def check_revision(value: str | None, where: str = "--base-revision") -> str | N
     return value
 
 
+def check_card_inputs(base_model: str | None, base_revision: str | None, eval_results: Any) -> Any:
+    """Validate the user's card inputs up front; returns the loaded eval results."""
+    check_base_model(base_model)
+    check_revision(base_revision)
+    return load_eval(eval_results)
+
+
 def infer_base(path: Path) -> dict[str, str]:
     """Hub id / revision of a local checkpoint, from where huggingface_hub put it.
 

@@ -1,0 +1,222 @@
+"""The model card of derived checkpoints and overlay bundles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from huggingface_hub import ModelCard, ModelCardData
+from typer.testing import CliRunner
+
+import embedq
+from embedq.cli import app
+from embedq.overlays.card import (CardError, infer_base, read_stored, refresh_card,
+                                  validate_metadata)
+
+from pubutil import derive  # noqa: F401 (fixture)
+
+SOURCE_CARD = """---
+license: apache-2.0
+language:
+- en
+pipeline_tag: text-generation
+base_model: someone/grandparent-model
+tags:
+- chat
+---
+
+# The source model
+"""
+
+
+def _card(folder):
+    card = ModelCard.load(folder / "README.md")
+    return card, card.data.to_dict()
+
+
+def _qconfig(folder):
+    return json.loads((folder / "quantization_config.json").read_text())
+
+
+def test_derived_card_front_matter_parses_and_validates(model_factory, derive):
+    src = model_factory("qwen2_tied")
+    (src / "README.md").write_text(SOURCE_CARD)
+    _, out, report = derive("qwen2_tied", source=src, base_model="Qwen/Qwen2-0.5B",
+                            base_revision="0123456789abcdef0123456789abcdef01234567")
+    card, data = _card(out)
+    assert data["base_model"] == "Qwen/Qwen2-0.5B"  # the user's, not the source card's parent
+    assert data["base_model_relation"] == "quantized"
+    assert data["library_name"] == "transformers"
+    assert data["license"] == "apache-2.0"  # copied from the source card
+    assert data["language"] == ["en"] and data["pipeline_tag"] == "text-generation"
+    assert data["tags"][0] == "embedq" and "int8" in data["tags"]
+    # Validates: our offline Hub rules and huggingface_hub's own card data class.
+    validate_metadata(data)
+    assert ModelCardData(**data).to_dict() == data
+    assert isinstance(card.data, ModelCardData)
+    body = card.text
+    qc = _qconfig(out)
+    entry = qc["modules"]["model.embed_tokens"]
+    assert "int8 row sym" in body and "int8, one scale per row, symmetric" in body
+    m = report.modules[0]
+    assert f"{m.bytes_before:,} → {m.bytes_after:,} bytes" in body
+    assert "`lm_head` reads the quantized `model.embed_tokens` table" in body  # tie handling
+    assert entry["source"]["sha256"] in body
+    assert "0123456789abcdef0123456789abcdef01234567" in body
+    for section in ("### vLLM", "### transformers", "### ONNX Runtime", "embedq.load(",
+                    "vllm serve", "embedq onnx export"):
+        assert section in body
+    assert "Not evaluated here" in body
+    assert str(src) not in card.content  # no local paths published
+    assert not [w for w in report.warnings if "base model" in w]
+
+
+def test_untied_head_and_checkpoint_bytes(derive):
+    _, out, report = derive("llama_untied_sharded", lm_head=True, head_bits=8, bits=4,
+                            base_model="meta-llama/Llama-3.2-1B")
+    card, data = _card(out)
+    assert "4-bit" in data["tags"] and "int8" in data["tags"]
+    assert "untied; the lm_head is quantized separately (`lm_head`: int8 row sym)" in card.text
+    assert "Whole checkpoint (safetensors):" in card.text
+    assert "`lm_head`: int8, one scale per row" in card.text
+    assert "`model.embed_tokens`: 4-bit int, groups of 32" in card.text
+
+
+def test_base_model_from_config_name_or_path(model_factory, derive):
+    src = model_factory("llama_untied_fp32")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["_name_or_path"] = "acme/tiny-llama"
+    (src / "config.json").write_text(json.dumps(cfg))
+    _, out, report = derive("llama_untied_fp32", source=src)
+    _, data = _card(out)
+    assert data["base_model"] == "acme/tiny-llama"
+    assert any("config.json _name_or_path" in w for w in report.warnings)
+
+
+def test_local_path_name_or_path_is_not_a_base_model(model_factory, derive):
+    src = model_factory("llama_untied_fp32")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["_name_or_path"] = str(src)
+    (src / "config.json").write_text(json.dumps(cfg))
+    _, out, report = derive("llama_untied_fp32", source=src)
+    _, data = _card(out)
+    assert "base_model" not in data and "base_model_relation" not in data
+    validate_metadata(data)
+    assert any("base model unknown" in w for w in report.warnings)
+    assert "not recorded" in (out / "README.md").read_text()
+
+
+def test_base_model_from_hf_cache_layout(model_factory, tmp_path):
+    sha = "a" * 40
+    snap = tmp_path / "hub" / "models--acme--tiny-qwen" / "snapshots" / sha
+    shutil.copytree(model_factory("qwen2_tied"), snap)
+    assert infer_base(snap) == {"base_model": "acme/tiny-qwen", "base_revision": sha,
+                                "base_model_source": "Hugging Face cache path"}
+    report = embedq.quantize(snap, 4, output=tmp_path / "bundle", overlay_only=True, progress=False)
+    _, data = _card(tmp_path / "bundle")
+    assert data["base_model"] == "acme/tiny-qwen"
+    text = (tmp_path / "bundle" / "README.md").read_text()
+    assert f"--revision {sha}" in text
+    assert report.mode == "overlay-only"
+
+
+def test_local_dir_download_metadata_gives_revision(model_factory):
+    src = model_factory("qwen2_tied")
+    meta = src / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    (meta / "config.json.metadata").write_text("b" * 40 + "\netag\n1700000000.0\n")
+    assert infer_base(src) == {"base_revision": "b" * 40}
+
+
+def test_overlay_only_bundle_card(derive):
+    src, out, report = derive("qwen2_tied", bits=4, overlay_only=True, base_model="Qwen/Qwen2-0.5B",
+                              base_revision="c" * 40)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "embedq.safetensors",
+                                                     "quantization_config.json"]
+    card, data = _card(out)
+    validate_metadata(data)
+    assert data["base_model"] == "Qwen/Qwen2-0.5B" and data["base_model_relation"] == "quantized"
+    assert data["library_name"] == "embedq" and "overlay" in data["tags"]
+    sha = _qconfig(out)["modules"]["model.embed_tokens"]["source"]["sha256"]
+    assert sha in card.text
+    assert "hf download Qwen/Qwen2-0.5B --revision " + "c" * 40 in card.text
+    assert "embedq apply ./base --overlay ./overlay" in card.text
+
+
+def test_eval_results_rendered(derive, tmp_path):
+    results = {"scheme": "int8 row sym", "mean_kld": 0.0063, "same_top1": 0.962,
+               "kld_percentiles": {"p50": 0.001, "p99": 0.05}, "ci95": [0.005, 0.0071],
+               "contexts": 12, "per_token": list(range(100))}
+    _, out, _ = derive("qwen2_tied", eval_results=results, base_model="Qwen/Qwen2-0.5B")
+    text = (out / "README.md").read_text()
+    assert "| mean_kld | 0.0063 |" in text
+    assert "| kld_percentiles.p99 | 0.05 |" in text
+    assert "| ci95 | 0.005, 0.0071 |" in text
+    assert "per_token" not in text.split("<!--")[0]  # long lists are not tables
+    # Eval file passed as a path, and embedq-eval.json picked up by refresh.
+    f = tmp_path / "ev.json"
+    f.write_text(json.dumps([{"scheme": "int4 g32 sym", "mean_kld": 0.165},
+                             {"scheme": "int4 g32 asym", "mean_kld": 0.103}]))
+    refresh_card(out, eval_results=f)
+    text = (out / "README.md").read_text()
+    assert "**int4 g32 asym**" in text and "| mean_kld | 0.103 |" in text
+    (out / "embedq-eval.json").write_text(json.dumps({"mean_kld": 0.42}))
+    refresh_card(out)
+    assert "| mean_kld | 0.42 |" in (out / "README.md").read_text()
+
+
+def test_refresh_keeps_everything_else(derive):
+    _, out, _ = derive("qwen2_tied", base_model="Qwen/Qwen2-0.5B")
+    before = (out / "README.md").read_text()
+    assert refresh_card(out) == before  # idempotent
+    refresh_card(out, repo_id="me/qwen-int8")
+    after = (out / "README.md").read_text()
+    assert "# qwen-int8" in after and 'embedq.load("me/qwen-int8")' in after
+    assert read_stored(after)["modules"] == read_stored(before)["modules"]
+    assert ModelCard(after).data.to_dict() == ModelCard(before).data.to_dict()
+
+
+def test_refresh_refuses_foreign_readme(tmp_path):
+    (tmp_path / "README.md").write_text(SOURCE_CARD)
+    with pytest.raises(CardError, match="not a card written by embedq"):
+        refresh_card(tmp_path)
+
+
+def test_report_to_model_card(derive):
+    _, out, report = derive("gemma3_tied")
+    text = report.to_model_card(base_model="google/gemma-3-270m", repo_id="me/gemma-q")
+    data = ModelCard(text).data.to_dict()
+    validate_metadata(data)
+    assert data["base_model"] == "google/gemma-3-270m"
+    assert "# gemma-q" in text and "int8 row sym" in text
+
+
+def test_bad_inputs_one_line(derive, model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    r = CliRunner().invoke(app, ["quantize", str(src), "--output", str(tmp_path / "o"),
+                                 "--base-model", "not a repo", "-q"])
+    assert r.exit_code == 2
+    assert r.output.strip().count("\n") == 0 and "--base-model 'not a repo'" in r.output
+    assert not (tmp_path / "o").exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    r = CliRunner().invoke(app, ["quantize", str(src), "--output", str(tmp_path / "o"),
+                                 "--eval", str(bad), "-q"])
+    assert r.exit_code == 2 and "bad.json: eval results are not valid JSON" in r.output
+    with pytest.raises(CardError, match="base_model_relation needs a base_model"):
+        validate_metadata({"base_model_relation": "quantized"})
+    with pytest.raises(CardError, match="not one of"):
+        validate_metadata({"base_model": "a/b", "base_model_relation": "quantised"})
+
+
+def test_card_cli(derive, tmp_path):
+    _, out, _ = derive("qwen2_tied")
+    f = tmp_path / "ev.json"
+    f.write_text(json.dumps({"mean_kld": 0.001}))
+    r = CliRunner().invoke(app, ["card", str(out), "--eval", str(f), "--base-model", "Qwen/Qwen2-0.5B",
+                                 "--license", "apache-2.0"])
+    assert r.exit_code == 0, r.output
+    _, data = _card(out)
+    assert data["base_model"] == "Qwen/Qwen2-0.5B" and data["license"] == "apache-2.0"
+    assert "| mean_kld | 0.001 |" in (out / "README.md").read_text()
