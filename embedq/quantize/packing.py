@@ -51,7 +51,8 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """``weight_packed`` int32 to signed codes [rows, cols] (int8)."""
-    u = unpack_bytes(packed.contiguous().view(torch.uint8), bits, cols)
+    p = packed.contiguous()  # may keep odd strides on size-1 dims: view through 1-D
+    u = unpack_bytes(p.reshape(-1).view(torch.uint8).reshape(p.shape[0], -1), bits, cols)
     return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
