@@ -1,0 +1,81 @@
+"""Tensor parallelism 2 on CPU (gloo, two processes): each rank loads only its vocab
+shard of the packed table, scales and zero points; all-reduced embeddings and gathered
+logits equal the single-process result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from _harness import free_port, load_model, vocab_layers
+
+import embedq
+import embedq.backends.vllm as ev
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_tp2_matches_single_process(builder, tmp_path):
+    d = builder.quantized("qwen2", "q4asym_g16", bits=4, group_size=16, symmetric=False)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_tp_worker.py"), str(d), str(r), "2",
+                               str(port), str(tmp_path / f"rank{r}.pt")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out)
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    ov = embedq.load_overlay(d)
+    table = ov.tables["model.embed_tokens"]
+    vocab = table.rows
+    full_zp = ev.pack_zero_point_rows(table.zero_point, table.bits, vocab)
+    per_part = None
+    for res in results:
+        assert res["tp_size"] == 2 and res["head_shares"]
+        start, end = res["shard"]
+        params = res["params"]
+        packed, scale = params["weight_packed"], params["weight_scale"]
+        per_part = packed.shape[0]
+        assert per_part == 256  # 500 padded to 512, halved
+        n = end - start
+        # only this rank's rows, zero padding after them
+        assert torch.equal(packed[:n], table.packed[start:end])
+        assert torch.equal(scale[:n], table.scale[start:end])
+        assert not packed[n:].any() and not scale[n:].any()
+        zp_rows = ev.zero_points_of(params["weight_zero_point"], table.bits, torch.arange(n))
+        assert torch.equal(zp_rows.to(torch.int8), table.zero_point[start:end])
+        # memory: half the table (plus padding), packed
+        assert packed.numel() * 4 == per_part * table.cols * table.bits // 8
+    assert results[0]["shard"] == (0, 256) and results[1]["shard"] == (256, vocab)
+    assert full_zp.shape[0] * 32 // table.bits >= vocab
+
+    # single-process result of the same checkpoint
+    _, model = load_model(d)
+    embed, _ = vocab_layers(model)
+    ids = torch.arange(0, vocab).flip(0)
+    single_emb = embed(ids)
+    single_logits = model.compute_logits(results[0]["h"])
+    ref = table.dequantize(torch.bfloat16)
+    for res in results:
+        torch.testing.assert_close(res["embeddings"], single_emb, rtol=0, atol=0)
+        torch.testing.assert_close(res["embeddings"], ref[ids], rtol=0, atol=0)
+    logits = [r["logits"] for r in results if r["logits"] is not None]
+    assert logits, "no rank returned gathered logits"
+    for lg in logits:
+        assert lg.shape == single_logits.shape == (5, vocab)
+        torch.testing.assert_close(lg, single_logits, rtol=1e-2, atol=1e-2)
