@@ -214,7 +214,9 @@ def _reason(e: BaseException) -> str:
         status = getattr(resp, "status_code", None)
         first = next((ln.strip() for ln in str(x).splitlines() if ln.strip()), "")
         label = type(x).__name__ + (f" (HTTP {status})" if status else "")
-        parts.append(f"{label}: {first}" if first else label)
+        part = f"{label}: {first}" if first else label
+        if not parts or parts[-1] != part:
+            parts.append(part)
         x = x.__cause__ or x.__context__
     msg = " <- ".join(parts)
     return msg if len(msg) <= 400 else msg[:397] + "..."
