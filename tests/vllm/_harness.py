@@ -51,6 +51,11 @@ def build_checkpoint(kind: str, path: Path) -> Path:
                                   num_key_value_heads=1, head_dim=16, sliding_window=16,
                                   tie_word_embeddings=True)
         model, kw = tf.Gemma3ForCausalLM(cfg), {}
+    elif kind == "gemma":  # GemmaForCausalLM: builds its embedding without quant_config
+        cfg = tf.GemmaConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+        model, kw = tf.GemmaForCausalLM(cfg), {}
     else:
         raise ValueError(kind)
     model = model.to(torch.bfloat16)

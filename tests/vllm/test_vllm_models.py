@@ -185,3 +185,31 @@ def test_entry_point_registers_method():
     assert eps[0].load() is ev.register
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     assert "embedq" in QUANTIZATION_METHODS
+
+
+def test_gemma_embedding_without_quant_config(builder):
+    """vLLM's Gemma builds VocabParallelEmbedding with neither quant_config nor prefix;
+    the plugin's out-of-tree VocabParallelEmbedding serves it (and its tied head)."""
+    d = builder.quantized("gemma", "q4g32", bits=4)
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert type(embed).__name__ == "EmbedqVocabParallelEmbedding"
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert head.weight_packed is embed.weight_packed
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref)
+    _check_memory(d, embed, "model.embed_tokens")
+
+
+def test_oot_layer_is_transparent_without_embedq(builder):
+    """With the plugin registered, a model without an embedq config is built as usual."""
+    d = builder.pristine("gemma")
+    vc, model = load_model(d)
+    assert vc.model_config.quantization is None
+    embed, head = vocab_layers(model)
+    assert not isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert embed.weight.shape == (384, 64)
+    from safetensors import safe_open
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.embed_tokens.weight")
+    torch.testing.assert_close(embed.weight[:384], w)

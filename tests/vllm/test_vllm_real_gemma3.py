@@ -1,0 +1,72 @@
+"""The real Gemma 3 270M checkpoint (scripts/make_gemma3_fixture.py) served by vLLM's own
+Gemma3ForCausalLM through the plugin: tied head through the shared packed table."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+from _harness import REPO, load_model, param_bytes, reference, vocab_layers
+
+import embedq
+import embedq.backends.vllm as ev
+
+ev.register()
+
+
+def _fixture():
+    path = REPO / "scripts" / "make_gemma3_fixture.py"
+    spec = importlib.util.spec_from_file_location("make_gemma3_fixture", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ensure_gemma3_270m()
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    return _fixture()
+
+
+def _inplace_copy(src, dst):
+    """Shards hard-linked (embedq never modifies source shards), other files copied."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name.startswith("."):
+            continue
+        if f.suffix == ".safetensors":
+            os.link(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_real_gemma3_270m(gemma3_270m, tmp_path, bits):
+    d = _inplace_copy(gemma3_270m, tmp_path / f"g{bits}")
+    embedq.quantize(str(d), bits=bits, progress=False)
+    vc, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert head.weight_packed is embed.weight_packed
+    ref = reference(d, "model.embed_tokens")
+    vocab, hidden = ref.shape
+    assert (vocab, hidden) == (262144, 640)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.tensor([0, 1, 2, vocab - 1]), torch.randint(0, vocab, (124,), generator=g)])
+    torch.testing.assert_close(embed(ids), ref[ids], rtol=0, atol=0)
+    h = torch.randn(4, hidden, generator=g).to(torch.bfloat16)
+    logits = model.compute_logits(h)
+    assert logits.shape == (4, vocab)
+    torch.testing.assert_close(logits.float(), h.float() @ ref.float().t(), rtol=2e-2, atol=5e-2)
+    # memory: the packed table (+ scales), never the 335 MB float table
+    per_row_scales = 1 if bits == 8 else hidden // 32
+    expected = vocab * hidden * bits // 8 + vocab * per_row_scales * 2 + 16
+    assert param_bytes(embed) == expected
+    assert param_bytes(embed) <= (vocab * hidden * 2) * (0.51 if bits == 8 else 0.32)
+    # nothing else in the model holds a vocab-sized float table
+    big = [n for n, p in model.named_parameters() if p.is_floating_point() and p.numel() >= vocab * hidden]
+    assert not big, big
