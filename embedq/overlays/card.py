@@ -37,8 +37,7 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-
 _REVISION = re.compile(r"[^\s]{1,256}")
 # Fields of the source card's front matter that describe the weights and stay true
 # for the quantized copy.
-_COPIED_FIELDS = ("license", "license_name", "license_link", "language", "pipeline_tag",
-                  "extra_gated_prompt", "extra_gated_fields")
+_COPIED_FIELDS = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
 
 class CardError(EmbedqError):
@@ -529,7 +528,8 @@ def card_context(report, qconfig: dict | None = None, ckpt=None, *, base_model: 
         v = _name_or_path(ckpt.config, src_path)
         if v:
             bm, ctx["base_model_source"] = v, "config.json _name_or_path"
-    if not rev and (not base_model or inferred.get("base_model") == bm):
+    if not rev and inferred.get("base_model", bm) == bm:
+        # (a revision found beside another repository's id is not this base's)
         rev = inferred.get("base_revision")
     ctx["base_model"], ctx["base_revision"] = bm, rev
     warnings = []
@@ -545,6 +545,11 @@ def card_context(report, qconfig: dict | None = None, ckpt=None, *, base_model: 
     if problem:
         warnings.append(problem)
     ctx["source_meta"] = {k: meta[k] for k in _COPIED_FIELDS if meta.get(k) not in (None, "", [])}
+    link = ctx["source_meta"].get("license_link")
+    if isinstance(link, str) and bm and not re.match(r"[a-z]+://", link):
+        # A link relative to the source repository (e.g. "LICENSE") must keep pointing there.
+        ctx["source_meta"]["license_link"] = (f"https://huggingface.co/{bm}/blob/"
+                                              f"{rev or 'main'}/{link.lstrip('./')}")
     if license:
         ctx["source_meta"]["license"] = license
     ctx["library_name"] = "embedq" if ctx["mode"] == "overlay-only" else "transformers"

@@ -220,3 +220,16 @@ def test_card_cli(derive, tmp_path):
     _, data = _card(out)
     assert data["base_model"] == "Qwen/Qwen2-0.5B" and data["license"] == "apache-2.0"
     assert "| mean_kld | 0.001 |" in (out / "README.md").read_text()
+
+
+def test_other_license_link_points_at_the_base(model_factory, derive):
+    src = model_factory("qwen2_tied")
+    (src / "README.md").write_text("---\nlicense: other\nlicense_name: tiny-license\n"
+                                   "license_link: LICENSE\n---\n# x\n")
+    (src / "LICENSE").write_text("terms")
+    _, out, _ = derive("qwen2_tied", source=src, overlay_only=True, base_model="acme/tiny",
+                       base_revision="e" * 40)
+    _, data = _card(out)
+    validate_metadata(data)
+    assert data["license"] == "other" and data["license_name"] == "tiny-license"
+    assert data["license_link"] == "https://huggingface.co/acme/tiny/blob/" + "e" * 40 + "/LICENSE"
