@@ -233,3 +233,20 @@ def test_other_license_link_points_at_the_base(model_factory, derive):
     validate_metadata(data)
     assert data["license"] == "other" and data["license_name"] == "tiny-license"
     assert data["license_link"] == "https://huggingface.co/acme/tiny/blob/" + "e" * 40 + "/LICENSE"
+
+
+def test_quantize_cli_card_options(model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    ev = tmp_path / "ev.json"
+    ev.write_text(json.dumps({"mean_kld": 0.0063, "same_top1_pct": 96.2}))
+    out = tmp_path / "q"
+    r = CliRunner().invoke(app, ["quantize", str(src), "--output", str(out), "-q",
+                                 "--base-model", "Qwen/Qwen2-0.5B", "--base-revision", "main",
+                                 "--eval", str(ev)])
+    assert r.exit_code == 0, r.output
+    card, data = _card(out)
+    assert data["base_model"] == "Qwen/Qwen2-0.5B"
+    assert "at revision `main`" in card.text and "| same_top1_pct | 96.2 |" in card.text
+    # In place there is no card: the options are reported as ignored.
+    r = CliRunner().invoke(app, ["quantize", str(src), "-q", "--base-model", "Qwen/Qwen2-0.5B"])
+    assert r.exit_code == 0 and "only go into the model card" in r.output
