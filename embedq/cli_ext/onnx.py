@@ -43,6 +43,8 @@ def register(app: typer.Typer) -> None:
                                                help="Overlay folder (default: MODEL itself)"),
         dtype: str = typer.Option("float32", "--dtype", help="float32 or float16"),
         opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: exporter's)"),
+        optimize: bool = typer.Option(True, "--optimize/--no-optimize",
+                                      help="Run onnxscript's graph optimizer (slower export)"),
         external_data: Optional[bool] = typer.Option(
             None, "--external-data/--no-external-data",
             help="Weights in OUTPUT.data (default: only when over 2 GB)"),
@@ -56,7 +58,8 @@ def register(app: typer.Typer) -> None:
         from embedq.backends.onnx import export_model
         from embedq.cli import _run
         report = _run(export_model, model, output, overlay=overlay, dtype=dtype,
-                      external_data=external_data, force=force, opset=opset)
+                      external_data=external_data, force=force, opset=opset,
+                      optimize=optimize)
         typer.echo(report.to_json() if as_json else report.table())
 
     app.add_typer(onnx_app, name="onnx")
