@@ -156,3 +156,53 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def compress_linears_ct(model_dir: Path) -> dict:
+    """Turn a float checkpoint's decoder Linear weights into compressed-tensors W4A16
+    (pack-quantized, group 32, symmetric: a scheme vLLM's CPU kernel accepts) in place;
+    returns the quantization_config."""
+    from safetensors.torch import load_file, save_file
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    files = sorted(model_dir.glob("*.safetensors"))
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for f in files:
+        tensors = load_file(str(f))
+        out = {}
+        for name, w in tensors.items():
+            mod = name[: -len(".weight")] if name.endswith(".weight") else None
+            if mod is None or mod.rsplit(".", 1)[-1] not in linear:
+                out[name] = w
+                continue
+            wf = w.float().reshape(w.shape[0], -1, 32)
+            scale = (wf.abs().amax(dim=2, keepdim=True) / 7).clamp_min(1e-8)
+            q = torch.clamp(torch.round(wf / scale), -8, 7).to(torch.int16).reshape(w.shape)
+            u = (q + 8).to(torch.uint8)
+            b = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+            out[f"{mod}.weight_packed"] = b.view(torch.int32)
+            out[f"{mod}.weight_scale"] = scale.squeeze(2).to(w.dtype)
+            out[f"{mod}.weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+            if index is not None:
+                shard = index["weight_map"].pop(name)
+                for s in ("weight_packed", "weight_scale", "weight_shape"):
+                    index["weight_map"][f"{mod}.{s}"] = shard
+        save_file(out, str(f), metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2))
+    qc = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": 32, "dynamic": False, "actorder": None,
+                        "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+            "input_activations": None, "output_activations": None,
+            "format": "pack-quantized"}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+    }
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return qc

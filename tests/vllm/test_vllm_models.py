@@ -213,3 +213,112 @@ def test_oot_layer_is_transparent_without_embedq(builder):
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         w = f.get_tensor("model.embed_tokens.weight")
     torch.testing.assert_close(embed.weight[:384], w)
+
+
+def test_composes_with_base_quantization_config(builder, tmp_path):
+    """A checkpoint already quantized with compressed-tensors (W4A16 linears): embedq keeps
+    that config as base_quantization_config; vLLM builds the base method for every other
+    layer and the embedq method for the embedding and its tied head."""
+    import shutil
+
+    from _harness import compress_linears_ct
+    d = tmp_path / "ct-base"
+    shutil.copytree(builder.pristine("qwen2"), d)
+    base_qc = compress_linears_ct(d)
+    import embedq
+    embedq.quantize(str(d), bits=4, progress=False)
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "embedq"
+    assert qc["base_quantization_config"]["quant_method"] == "compressed-tensors"
+    vc, model = load_model(d)
+    assert vc.model_config.quantization == "embedq"
+    assert type(vc.quant_config.base).__name__ == "CompressedTensorsConfig"
+    embed, head = vocab_layers(model)
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
+    assert head.weight_packed is embed.weight_packed
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref)
+    layer0 = model.model.layers[0]
+    for lin in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj,
+                layer0.mlp.down_proj):
+        assert type(lin.quant_method).__name__ == "CompressedTensorsLinearMethod"
+        assert type(lin.scheme).__name__ == "CompressedTensorsWNA16"
+    # the base method loaded its tensors (scales are [groups, out] after its processing)
+    from safetensors import safe_open
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        scales = [f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight_scale") for p in "qkv"]
+    torch.testing.assert_close(layer0.self_attn.qkv_proj.weight_scale.t(),
+                               torch.cat(scales, dim=0))
+    assert base_qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+
+
+def test_compressed_tensors_format_loads_in_stock_vllm(builder, tmp_path):
+    """``--format compressed-tensors`` (untied, symmetric): vLLM's own compressed-tensors
+    method, no embedq code, loads the overlay bytes. (Its embedding forward is Triton-only
+    and its WNA16 head needs vLLM's CPU or GPU kernels, so only loading is checked on CPU.)"""
+    from embedq.overlays.compressed_tensors import quantize_compressed_tensors
+    out = tmp_path / "ct"
+    quantize_compressed_tensors(str(builder.pristine("llama")), 8, output=str(out),
+                                lm_head=True, head_bits=4, head_group_size=32, progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == ev.compressed_tensors_config(
+        json.loads((out / "quantization_config.json").read_text()))
+    vc, model = load_model(out)
+    assert vc.model_config.quantization == "compressed-tensors"
+    embed, head = vocab_layers(model)
+    assert type(embed.quant_method).__name__ == "CompressedTensorsEmbeddingWNA16Int"
+    assert type(head.quant_method).__name__ == "CompressedTensorsLinearMethod"
+    import embedq
+    table = embedq.load_overlay(out).tables["model.embed_tokens"]
+    assert torch.equal(embed.weight_packed[: table.rows], table.packed)
+    assert torch.equal(embed.weight_scale[: table.rows], table.scale)
+
+
+def test_compressed_tensors_config_refusals():
+    base = {"quant_method": "embedq", "format_version": 1, "aliases": {},
+            "tie_word_embeddings": False, "base_quantization_config": None,
+            "modules": {"model.embed_tokens": {"num_bits": 8, "type": "int", "symmetric": True,
+                                               "strategy": "channel", "group_size": None,
+                                               "scale_dtype": "bfloat16", "shape": [8, 64]}}}
+    ct = ev.compressed_tensors_config(base)
+    assert ct["config_groups"]["group_0"]["targets"] == ["Embedding"]
+    tied = dict(base, tie_word_embeddings=True, aliases={"lm_head": "model.embed_tokens"})
+    with pytest.raises(ValueError, match="tied"):
+        ev.compressed_tensors_config(tied)
+    asym = json.loads(json.dumps(base))
+    asym["modules"]["model.embed_tokens"]["symmetric"] = False
+    with pytest.raises(ValueError, match="asymmetric"):
+        ev.compressed_tensors_config(asym)
+    with pytest.raises(ValueError, match="already has a quantization_config"):
+        ev.compressed_tensors_config(dict(base, base_quantization_config={"quant_method": "fp8"}))
+
+
+def test_mtp_alias_shares_the_owner_table():
+    """``aliases`` for an MTP/draft embedding: built in the same model it shares the owner's
+    parameters; built alone (a separate draft model) it gets its own quantized parameters
+    and tolerates not being loaded (vLLM then shares the target model's embedding)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from _harness import init_single_process
+    cfg = {"quant_method": "embedq", "format_version": 1, "tie_word_embeddings": False,
+           "aliases": {"mtp.embed_tokens": "model.embed_tokens"},
+           "base_quantization_config": None,
+           "modules": {"model.embed_tokens": {"num_bits": 4, "type": "int", "symmetric": True,
+                                              "strategy": "group", "group_size": 32,
+                                              "scale_dtype": "bfloat16", "shape": [200, 64]}}}
+    with set_current_vllm_config(VllmConfig()):
+        init_single_process()
+        qc = ev.EmbedqConfig.from_config(cfg)
+        owner = VocabParallelEmbedding(200, 64, params_dtype=torch.bfloat16, quant_config=qc,
+                                       prefix="model.embed_tokens")
+        mtp = VocabParallelEmbedding(200, 64, params_dtype=torch.bfloat16, quant_config=qc,
+                                     prefix="mtp.embed_tokens")
+        assert mtp.weight_packed is owner.weight_packed and mtp.weight_scale is owner.weight_scale
+        draft_qc = ev.EmbedqConfig.from_config(cfg)
+        draft = VocabParallelEmbedding(200, 64, params_dtype=torch.bfloat16,
+                                       quant_config=draft_qc, prefix="mtp.embed_tokens")
+        assert draft.weight_packed.shape == (256, 8)
+        draft.quant_method.process_weights_after_loading(draft)  # no error: alias
+        with pytest.raises(RuntimeError, match="not loaded"):
+            owner.quant_method.process_weights_after_loading(owner)
