@@ -295,8 +295,11 @@ def _flatten(d: dict, prefix: str = "", depth: int = 0):
 
 def _usage(ctx: dict) -> str:
     repo = ctx.get("repo_id")
-    here = repo or ctx.get("folder_hint") or "./model"
+    here = f"./{repo.split('/')[-1]}" if repo else (ctx.get("folder_hint") or "./model")
     lines = []
+    if repo and ctx.get("mode") != "overlay-only":
+        # embedq.load and the ONNX commands take a local folder.
+        lines += ["```bash", f"hf download {repo} --local-dir {here}", "```", ""]
     if ctx.get("mode") == "overlay-only":
         base = ctx.get("base_model") or "<base repository>"
         rev = ctx.get("base_revision")

@@ -172,7 +172,8 @@ def test_refresh_keeps_everything_else(derive):
     assert refresh_card(out) == before  # idempotent
     refresh_card(out, repo_id="me/qwen-int8")
     after = (out / "README.md").read_text()
-    assert "# qwen-int8" in after and 'embedq.load("me/qwen-int8")' in after
+    assert "# qwen-int8" in after and 'hf download me/qwen-int8 --local-dir ./qwen-int8' in after
+    assert 'embedq.load("./qwen-int8")' in after
     assert read_stored(after)["modules"] == read_stored(before)["modules"]
     assert ModelCard(after).data.to_dict() == ModelCard(before).data.to_dict()
 

@@ -107,7 +107,7 @@ def test_push_sends_the_expected_commit(derive, tmp_path):
         # The published card names the repository, and the local README now equals it.
         card = ModelCard(files["README.md"]["content"].decode())
         assert card.data.base_model == "meta-llama/Llama-3.2-1B"
-        assert 'embedq.load("me/llama-int8")' in card.text
+        assert 'hf download me/llama-int8 --local-dir ./llama-int8' in card.text
         methods = [m for m, _ in hub.log]
         assert ("POST", "/api/repos/create") in hub.log
         assert methods.count("PUT") == sum(1 for n in files if n.endswith(".safetensors"))
