@@ -141,16 +141,35 @@ def load_eval(value: Any) -> Any:
     if hasattr(value, "to_dict") and callable(value.to_dict):
         value = value.to_dict()
     if isinstance(value, (dict, list)):
-        return json.loads(json.dumps(value, default=_json_default))
+        return _publishable(json.loads(json.dumps(value, default=_json_default)))
     p = Path(value)
     if p.is_dir():
         p = p / EVAL_NAME
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return _publishable(json.loads(p.read_text(encoding="utf-8")))
     except FileNotFoundError:
         raise CardError(f"{p}: eval results file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CardError(f"{p}: eval results are not valid JSON ({e})") from None
+
+
+_PATH_KEYS = ("path", "reference", "folder", "overlay", "output")
+
+
+def _publishable(x: Any) -> Any:
+    """Eval results without local paths (folder names only) or per-context detail."""
+    if isinstance(x, list):
+        return [_publishable(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    out = {}
+    for k, v in x.items():
+        if k in ("per_context", "per_token"):
+            continue
+        if isinstance(v, str) and (k in _PATH_KEYS or v.startswith(("/", "~")) or re.match(r"[A-Za-z]:\\", v)):
+            v = Path(v).name
+        out[k] = _publishable(v)
+    return out
 
 
 def _json_default(o):
@@ -271,6 +290,9 @@ def render_eval(results: Any) -> str:
         if not isinstance(run, dict):
             out.append(f"- {_fmt_num(run)}")
             continue
+        if _is_eval_result(run):
+            out.append(_render_eval_result(run))
+            continue
         title = next((str(run[k]) for k in ("scheme", "name", "label") if isinstance(run.get(k), str)), None)
         if len(runs) > 1:
             out.append(f"**{title or f'run {i + 1}'}**\n")
@@ -280,6 +302,40 @@ def render_eval(results: Any) -> str:
             out.extend(f"| {k} | {v} |" for k, v in rows)
             out.append("")
     return "\n".join(out).strip() + "\n"
+
+
+def _is_eval_result(d: dict) -> bool:
+    """The shape of ``embedq.evaluate.EvalResult.to_dict()``."""
+    return all(k in d for k in ("mean_kld", "kld_ci95", "kld_p50", "kld_p99", "same_top1",
+                                "delta_ppl", "contexts", "length"))
+
+
+def _render_eval_result(d: dict) -> str:
+    def ci(v, fmt):
+        return f" (95% CI {fmt(v[0])} – {fmt(v[1])})" if isinstance(v, list) and len(v) == 2 else ""
+    f6 = lambda x: f"{x:.6f}"  # noqa: E731
+    f2 = lambda x: f"{x:.2f}%"  # noqa: E731
+    fp = lambda x: f"{x:+.4f}"  # noqa: E731
+    mods = d.get("modules") or {}
+    rows = [
+        ("modules", ", ".join(f"`{m}`: {sc}" for m, sc in mods.items())
+         + (" (head kept float)" if d.get("float_head") else "")),
+        ("setup", f"{d['contexts']} contexts x {d['length']} tokens"
+         + (" (BOS first)" if d.get("bos", True) else "")
+         + (f", {d['tokens']:,} scored" if isinstance(d.get("tokens"), int) else "")
+         + (f"; text: {d['text']}" if d.get("text") else "")
+         + (f"; {d['dtype']}" if d.get("dtype") else "")),
+        ("mean KL divergence", f6(d["mean_kld"]) + ci(d.get("kld_ci95"), f6)),
+        ("KLD p50 / p90 / p99 / max", " / ".join(f6(d[k]) for k in ("kld_p50", "kld_p90", "kld_p99", "kld_max")
+                                                 if isinstance(d.get(k), (int, float)))),
+        ("same top-1 token", f2(d["same_top1"]) + ci(d.get("same_top1_ci95"), f2)),
+    ]
+    if isinstance(d.get("ppl_reference"), (int, float)) and isinstance(d.get("ppl_quantized"), (int, float)):
+        rows.append(("perplexity", f"{d['ppl_reference']:.4f} → {d['ppl_quantized']:.4f} "
+                                   f"(Δ {fp(d['delta_ppl'])}{ci(d.get('delta_ppl_ci95'), fp)})"))
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows if v]
+    return "\n".join(lines) + "\n"
 
 
 def _flatten(d: dict, prefix: str = "", depth: int = 0):

@@ -251,3 +251,39 @@ def test_quantize_cli_card_options(model_factory, tmp_path):
     # In place there is no card: the options are reported as ignored.
     r = CliRunner().invoke(app, ["quantize", str(src), "-q", "--base-model", "Qwen/Qwen2-0.5B"])
     assert r.exit_code == 0 and "only go into the model card" in r.output
+
+
+EVAL_RESULT = {  # the fields of embedq.evaluate.EvalResult.to_dict()
+    "path": "/home/someone/models/qwen-q", "reference": "/home/someone/models/qwen",
+    "text": "pydoc_data/topics.py", "contexts": 12, "length": 128, "tokens": 1524,
+    "dtype": "float32", "modules": {"model.embed_tokens": "int8 row sym", "lm_head": "int8 row sym"},
+    "float_head": False, "mean_kld": 0.0063, "kld_ci95": [0.0051, 0.0075], "kld_p50": 0.002,
+    "kld_p90": 0.011, "kld_p99": 0.05, "kld_max": 0.4, "same_top1": 96.2,
+    "same_top1_ci95": [95.1, 97.3], "ppl_reference": 10.5, "ppl_quantized": 10.6,
+    "delta_ppl": 0.1, "delta_ppl_ci95": [0.05, 0.15],
+    "per_context": [{"kld": 0.006}] * 12, "seconds": 40.0, "bos": True,
+}
+
+
+def _check_eval_rendering(text):
+    assert "| mean KL divergence | 0.006300 (95% CI 0.005100 – 0.007500) |" in text
+    assert "| same top-1 token | 96.20% (95% CI 95.10% – 97.30%) |" in text
+    assert "| perplexity | 10.5000 → 10.6000 (Δ +0.1000 (95% CI +0.0500 – +0.1500)) |" in text
+    assert "12 contexts x 128 tokens (BOS first), 1,524 scored" in text
+    assert "/home/someone" not in text and "per_context" not in text  # nothing local published
+
+
+def test_embedq_eval_result_rendered(derive):
+    _, out, _ = derive("qwen2_tied", eval_results=EVAL_RESULT, base_model="Qwen/Qwen2-0.5B")
+    text = (out / "README.md").read_text()
+    _check_eval_rendering(text)
+    assert read_stored(text)["eval"]["path"] == "qwen-q"
+
+
+def test_eval_result_object_rendered(derive):
+    evaluate = pytest.importorskip("embedq.evaluate")
+    fields = set(evaluate.EvalResult.__dataclass_fields__)
+    assert fields <= set(EVAL_RESULT), fields - set(EVAL_RESULT)  # the fixture above is current
+    res = evaluate.EvalResult(**{k: EVAL_RESULT[k] for k in fields})
+    _, out, _ = derive("qwen2_tied", eval_results=res)
+    _check_eval_rendering((out / "README.md").read_text())
