@@ -39,8 +39,9 @@ import torch
 from embedq.errors import EmbedqError
 
 MS_DOMAIN = "com.microsoft"
-#: GatherBlockQuantized on uint8 data needs onnxruntime >= 1.23 (1.22 rejects uint8);
-#: 1.23-1.26 mis-decode 4-bit zero points of rows with an odd number of blocks.
+#: GatherBlockQuantized on uint8 data needs onnxruntime >= 1.23 (1.20-1.22 reject uint8);
+#: 1.23-1.26 mis-decode 4-bit zero points of rows with an odd number of blocks (exact for
+#: symmetric tables thanks to midpoint padding, see ort_zero_points; asymmetric need 1.27).
 MIN_ORT = "1.23"
 MIN_ORT_ODD_BLOCKS_4BIT = "1.27"
 MIN_BLOCK = 16
@@ -134,7 +135,10 @@ def ort_zero_points(table, block: int) -> np.ndarray:
         if g // block > 1:
             u = u.repeat_interleave(g // block, dim=1)
     if bits == 4 and nb % 2:
-        u = torch.nn.functional.pad(u, (0, 1))
+        # The padding nibble is the midpoint, not 0: onnxruntime 1.23-1.26 read 4-bit
+        # zero points as one unpadded nibble stream, so with this padding symmetric
+        # tables still decode exactly there (asymmetric ones need >= 1.27).
+        u = torch.nn.functional.pad(u, (0, 1), value=mid)
     return pack_bytes(u.contiguous(), bits).numpy()
 
 
@@ -604,7 +608,7 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
         s = scheme_of(cfg["modules"][module])
         block = onnx_block_size(t.bits, t.group_size, t.cols)
         nb = t.cols // block
-        if t.bits == 4 and nb % 2:
+        if t.bits == 4 and nb % 2 and not t.symmetric:
             min_ort = MIN_ORT_ODD_BLOCKS_4BIT
         scales = ort_scales(t, block, gdt)
         if not torch.equal(torch.from_numpy(scales).float(),
@@ -729,8 +733,8 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
         mp.metadata_props.append(onnx.StringStringEntryProto(key=META_PREFIX + k, value=v))
 
     if min_ort == MIN_ORT_ODD_BLOCKS_4BIT:
-        warnings.append("4-bit rows with an odd number of blocks: onnxruntime 1.23-1.26 mis-decode "
-                        f"their zero points; use onnxruntime >= {MIN_ORT_ODD_BLOCKS_4BIT}")
+        warnings.append("asymmetric 4-bit rows with an odd number of blocks: onnxruntime 1.23-1.26 "
+                        f"mis-decode their zero points; use onnxruntime >= {MIN_ORT_ODD_BLOCKS_4BIT}")
     bytes_after = bytes_before - sum(r.float_bytes for r in reports) \
         + sum(a.nbytes for a in new_tensors.values()) + sum(_Tensor(i, G.base_dir).nbytes() for i in extra_inits)
     had_external = any(t.data_location == _tp().EXTERNAL for t in _iter_tensors(mp))

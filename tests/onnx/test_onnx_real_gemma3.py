@@ -1,0 +1,54 @@
+"""Real model: Gemma 3 270M (tied, 262144 x 640) exported, patched at 4 bits, run in ORT."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+import embedq
+from embedq.backends.onnx import export_model, read_metadata
+from onnxutil import reference_logits, run_ort
+
+TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. "
+        "Water boils at one hundred degrees Celsius, and the quick brown fox jumps over the")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_export_patch_q4(gemma3_copy, tmp_path):
+    from transformers import AutoTokenizer
+    t0 = time.perf_counter()
+    embedq.quantize(gemma3_copy, bits=4, progress=False)  # in place: g32 symmetric
+    out = tmp_path / "gemma3-270m-q4.onnx"
+    # optimize=False: onnxscript's optimizer roughly doubles the export time here
+    report = export_model(gemma3_copy, out, optimize=False)
+    V, H = 262144, 640
+    emb, head = report.modules
+    assert (emb.op, head.op) == ("GatherBlockQuantized", "MatMulNBits")
+    assert emb.source_check == "sha256" and head.quantized_bytes == 0  # one shared table
+    # embedding bytes: float32 in the float graph, bfloat16 in the checkpoint
+    assert emb.float_bytes == V * H * 4
+    assert emb.quantized_bytes == V * H // 2 + V * 20 * 4 + V * 10
+    assert V * H * 2 / emb.quantized_bytes >= 3.0
+    assert emb.float_bytes / emb.quantized_bytes >= 6.0
+    mp = onnx.load(str(out), load_external_data=False)
+    sizes = {i.name: i for i in mp.graph.initializer}
+    assert not [n for n, i in sizes.items() if list(i.dims) in ([V, H], [H, V])]
+    assert read_metadata(out)["scheme"] == {"model.embed_tokens": "int4 g32 sym"}
+
+    tok = AutoTokenizer.from_pretrained(gemma3_copy)
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    got = run_ort(out, ids)
+    gc.collect()
+    ref = reference_logits(gemma3_copy, gemma3_copy, ids)
+    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"\ngemma3-270m q4 onnx: export {report.export_seconds:.0f}s, total "
+          f"{time.perf_counter() - t0:.0f}s; embedding {emb.float_bytes / 2**20:.1f} MiB f32 "
+          f"({V * H * 2 / 2**20:.1f} MiB bf16) -> {emb.quantized_bytes / 2**20:.1f} MiB; "
+          f"file {report.file_bytes / 2**20:.1f} MiB; argmax agreement {agree:.3f} over "
+          f"{ids.shape[1]} positions; max |logit diff| {np.abs(got - ref).max():.2e}")
+    assert got.argmax(-1)[0, -1] == ref.argmax(-1)[0, -1]
+    assert agree >= 0.95
