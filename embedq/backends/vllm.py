@@ -259,8 +259,14 @@ def _impl():
     return _IMPL
 
 
-def __getattr__(name: str):  # EmbedqConfig, EmbedqMethod, ... on demand
-    if name in ("EmbedqConfig", "EmbedqMethod", "EmbedqVocabParallelEmbedding"):
+_LAZY = ("EmbedqConfig", "EmbedqMethod", "EmbedqVocabParallelEmbedding", "_Spec",
+         "_HybridMethod")
+
+
+def __getattr__(name: str):  # EmbedqConfig, EmbedqMethod, ... on demand (PEP 562)
+    # Also how pickle finds these classes: vLLM pickles VllmConfig (with the quant config)
+    # into its engine-core and worker processes.
+    if name in _LAZY:
         return getattr(_impl(), name)
     raise AttributeError(name)
 
@@ -353,6 +359,15 @@ def _build_impl():  # noqa: C901 - one closure holding every vLLM-facing class
                 self._ignore_unexpected_suffixes = tuple(dict.fromkeys(
                     (*QuantizationConfig._ignore_unexpected_suffixes,
                      *getattr(base, "_ignore_unexpected_suffixes", ()))))
+
+        def __getstate__(self):
+            state = dict(self.__dict__)
+            state["layers"] = None  # per-process (weak references to this model's layers)
+            return state
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            self.layers = weakref.WeakValueDictionary()
 
         # packed_modules_mapping is updated in place by models (SupportsQuant); share the
         # same dict with the base config so its fused-layer matching keeps working.
@@ -711,8 +726,14 @@ def _build_impl():  # noqa: C901 - one closure holding every vLLM-facing class
             super().__init__(num_embeddings, embedding_dim, params_dtype, org_num_embeddings,
                              padding_size, quant_config, prefix, **kwargs)
 
-    return types.SimpleNamespace(
+    ns = types.SimpleNamespace(
         EmbedqConfig=EmbedqConfig,
         EmbedqMethod=EmbedqMethod,
         EmbedqVocabParallelEmbedding=EmbedqVocabParallelEmbedding,
+        _Spec=_Spec,
+        _HybridMethod=_HybridMethod,
     )
+    for name, cls in vars(ns).items():  # picklable by reference: embedq.backends.vllm.<name>
+        cls.__module__ = __name__
+        cls.__qualname__ = name
+    return ns

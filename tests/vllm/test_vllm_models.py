@@ -187,6 +187,21 @@ def test_entry_point_registers_method():
     assert "embedq" in QUANTIZATION_METHODS
 
 
+def test_plain_engine_config_finds_plugin(builder):
+    """What ``vllm serve ./model`` does first, in a fresh process, with no explicit
+    register() call: vLLM loads the entry point and picks the embedq method."""
+    import subprocess
+    import sys
+    d = builder.quantized("qwen2", "q8", **SCHEMES["q8"])
+    code = ("from vllm.engine.arg_utils import EngineArgs\n"
+            f"vc = EngineArgs(model={str(d)!r}, dtype='bfloat16', enforce_eager=True, "
+            "max_model_len=128).create_engine_config()\n"
+            "print('QUANT', vc.model_config.quantization, type(vc.quant_config).__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "QUANT embedq EmbedqConfig" in r.stdout
+
+
 def test_gemma_embedding_without_quant_config(builder):
     """vLLM's Gemma builds VocabParallelEmbedding with neither quant_config nor prefix;
     the plugin's out-of-tree VocabParallelEmbedding serves it (and its tied head)."""
@@ -322,3 +337,16 @@ def test_mtp_alias_shares_the_owner_table():
         draft.quant_method.process_weights_after_loading(draft)  # no error: alias
         with pytest.raises(RuntimeError, match="not loaded"):
             owner.quant_method.process_weights_after_loading(owner)
+
+
+def test_config_pickles(builder):
+    """vLLM pickles VllmConfig (quant config included) into engine-core/worker processes."""
+    import pickle
+    d = builder.quantized("qwen2", "q4asym_row", **SCHEMES["q4asym_row"])
+    from _harness import engine_config
+    vc = engine_config(d)
+    vc2 = pickle.loads(pickle.dumps(vc))
+    qc = vc2.quant_config
+    assert type(qc) is ev.EmbedqConfig
+    assert qc.modules["model.embed_tokens"].bits == 4
+    assert qc.get_min_capability() == -1 and ev.EmbedqConfig.get_min_capability() == -1
