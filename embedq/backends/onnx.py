@@ -45,7 +45,8 @@ MS_DOMAIN = "com.microsoft"
 MIN_ORT = "1.23"
 MIN_ORT_ODD_BLOCKS_4BIT = "1.27"
 MIN_BLOCK = 16
-ALIGN = 4096  # external data offsets: page-aligned so that runtimes can mmap them
+ALIGN = 4096  # external data offsets of big tensors: page-aligned so runtimes can mmap them
+SMALL_TENSOR = 1 << 16  # smaller ones are 64-byte aligned
 PROTOBUF_LIMIT = 2_000_000_000
 CHUNK_BYTES = 16 << 20
 SAMPLE_ROWS = 512
@@ -77,11 +78,6 @@ def _np_dtype(elem_type: int) -> np.dtype:
 def _torch_dtype(elem_type: int) -> torch.dtype:
     TP = _tp()
     return {TP.FLOAT: torch.float32, TP.FLOAT16: torch.float16, TP.BFLOAT16: torch.bfloat16}[elem_type]
-
-
-def _elem_name(elem_type: int) -> str:
-    TP = _tp()
-    return TP.DataType.Name(elem_type).lower()
 
 
 def _float_types() -> set[int]:
@@ -541,7 +537,6 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
     cfg = read_overlay_config(ov_path)
     mp = _load_model(src_path)
     G = _Graph(mp, src_path.parent)
-    qcfg_file = ov_path / "quantization_config.json"
     embeddings, head = _overlay_targets(cfg)
     warnings: list[str] = []
 
@@ -570,7 +565,8 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
 
     # 2. check every float initializer against the overlay's source (once per initializer)
     ov = load_overlay(ov_path)
-    checks: dict[tuple[str, bool], SourceCheck] = {}
+    checks: dict[tuple[str, bool], SourceCheck | None] = {}
+    failed: dict[str, list[str]] = {}
     for m in matches:
         key = (m.init, m.transposed)
         if key in checks:
@@ -580,9 +576,25 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
         if G.tensor(m.init).elem_type == _tp().BFLOAT16:
             raise OnnxError(f"{where} is bfloat16; ONNX Runtime's CPU kernels take float32 or "
                             "float16 scales and outputs: export the model in float32 or float16")
-        checks[key] = check_source(G.tensor(m.init), m.transposed, entry, ov.tables[m.module], where)
+        try:
+            checks[key] = check_source(G.tensor(m.init), m.transposed, entry, ov.tables[m.module], where)
+        except OnnxError:
+            # Several candidates of the right shape (e.g. a second [V, H] table): keep
+            # those that are the source; refuse only if none of a role is.
+            if not any(x.role == m.role and x.init != m.init for x in matches):
+                raise
+            checks[key] = None
+            failed.setdefault(m.role, []).append(m.init)
+            continue
         if checks[key].how == "sampled-rows":
             warnings.append(f"{m.init}: {checks[key].detail}")
+    for role, inits in failed.items():
+        if not any(checks[(x.init, x.transposed)] for x in matches if x.role == role):
+            raise OnnxError(f"{src_path}: none of the float [V, H] tables {sorted(set(inits))} read by a "
+                            f"{'Gather' if role == 'embedding' else 'MatMul'} is the source of this "
+                            "overlay; refusing to patch with a wrong or stale overlay")
+        warnings.append(f"{', '.join(sorted(set(inits)))}: same shape but not the overlay's source; left as is")
+    matches = [x for x in matches if checks[(x.init, x.transposed)] is not None]
 
     # 3. build the quantized initializers (one set per overlay table and graph dtype)
     new_tensors: dict[str, np.ndarray] = {}
@@ -796,7 +808,8 @@ def _write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray
             with open(tmp_data, "wb") as fd:
                 def place(t, writer) -> None:
                     pos = fd.tell()
-                    pad = (-pos) % ALIGN
+                    big = _Tensor(t, src_dir).nbytes() >= SMALL_TENSOR
+                    pad = (-pos) % (ALIGN if big else 64)
                     if pad:
                         fd.write(b"\0" * pad)
                         pos += pad

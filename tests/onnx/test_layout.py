@@ -178,3 +178,34 @@ def test_bfloat16_graph_is_refused(float_model, overlay_for, tmp_path):
     onnx.save(mp, str(src))
     with pytest.raises(OnnxError, match="bfloat16; ONNX Runtime's CPU kernels"):
         patch_model(src, ov, tmp_path / "q.onnx")
+
+
+def test_second_table_of_the_same_shape_is_left_alone(float_model, overlay_for, tmp_path):
+    """Two Gathers of [V, H] tables: only the overlay's source is replaced."""
+    ckpt, _ = float_model("tied96")
+    ov = overlay_for("tied96", 8, None)
+    E = _source_table(ckpt).float().numpy()
+    mp = _graph(E, TP.FLOAT, "gemm")
+    other = np.random.default_rng(0).standard_normal(E.shape).astype(np.float32)
+    mp.graph.initializer.insert(0, numpy_helper.from_array(other, "Other"))
+    mp.graph.node.insert(0, helper.make_node("Gather", ["Other", "ids"], ["emb2"], name="g2"))
+    mp.graph.output.append(helper.make_tensor_value_info("emb2", TP.FLOAT, ["n", 96]))
+    src = tmp_path / "two.onnx"
+    onnx.save(mp, str(src))
+    r = patch_model(src, ov, tmp_path / "q.onnx")
+    assert [(m.op, m.replaced) for m in r.modules] == [("GatherBlockQuantized", "E"), ("MatMulNBits", "E")]
+    assert any("Other" in w and "left as is" in w for w in r.warnings)
+    out = onnx.load(str(tmp_path / "q.onnx"))
+    assert [n.op_type for n in out.graph.node].count("Gather") == 1
+    assert "Other" in {i.name for i in out.graph.initializer}
+    # and with a wrong overlay neither is the source: refused
+    with pytest.raises(OnnxError, match="none of the float"):
+        patch_model(src, _other_overlay(tmp_path), tmp_path / "x.onnx")
+
+
+def _other_overlay(tmp_path):
+    import embedq
+    from onnxutil import build_checkpoint
+    other = build_checkpoint("tied96", tmp_path / "other", seed=5)
+    embedq.quantize(other, bits=8, progress=False)
+    return other
