@@ -56,6 +56,10 @@ def build_checkpoint(kind: str, path: Path) -> Path:
                              num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
         model, kw = tf.GemmaForCausalLM(cfg), {}
+    elif kind == "gpt2":  # tied; vLLM's GPT-2 names its head ".lm_head", nested loaders
+        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128,
+                            activation_function="gelu_pytorch_tanh")  # gelu_new needs vllm._C
+        model, kw = tf.GPT2LMHeadModel(cfg), {}
     else:
         raise ValueError(kind)
     model = model.to(torch.bfloat16)

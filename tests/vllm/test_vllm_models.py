@@ -350,3 +350,14 @@ def test_config_pickles(builder):
     assert type(qc) is ev.EmbedqConfig
     assert qc.modules["model.embed_tokens"].bits == 4
     assert qc.get_min_capability() == -1 and ev.EmbedqConfig.get_min_capability() == -1
+
+
+def test_gpt2_tied(builder):
+    d = builder.quantized("gpt2", "q4g32", bits=4)
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert embed.embedq_name == "transformer.wte"
+    assert head.weight_packed is embed.weight_packed
+    ref = _check_embedding(d, embed, "transformer.wte")
+    _check_logits(model, head, ref)
+    _check_memory(d, embed, "transformer.wte")
