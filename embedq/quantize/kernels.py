@@ -1,0 +1,283 @@
+"""Fused per-chunk kernels: quantize + pack (+ error statistics) in one pass.
+
+The reference path (:func:`embedq.quantize.rtn.quantize_rtn`, then
+:func:`embedq.quantize.packing.pack_int32`, then ``ErrorStats.update``) runs a dozen
+eager torch ops per chunk, each reading and writing a full-size temporary. Here the
+same arithmetic is written once as a function of a chunk and compiled with
+``torch.compile`` (inductor's C++ backend; gcc/clang must be on the machine), so the
+chunk is read from cache a couple of times instead of a dozen.
+
+Contract: for every scheme (4/8 bits, per row or grouped, symmetric or not) and every
+scale dtype, the packed bytes, scales and zero points are **bit-identical** to the
+eager reference (``tests/perf`` checks it); only the error statistics, which are
+reported but never written to disk, may differ in the last bits of their float64 sums.
+
+Compilation happens once per process and chunk shape and is cached on disk by
+inductor (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``), so later
+runs only pay a cache lookup. Where compilation is unavailable (no C++ compiler,
+unsupported platform, ``EMBEDQ_COMPILE=0``) the same function runs eagerly: slower,
+same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from embedq.quantize.packing import pack_int32
+from embedq.quantize.rtn import dequantize_codes, quantize_rtn
+from embedq.quantize.scheme import Scheme
+
+log = logging.getLogger(__name__)
+
+_INT16_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything a compiled kernel is specialised on (besides the chunk shape)."""
+
+    bits: int
+    group: int  # elements per scale (cols for per-row)
+    symmetric: bool
+    scale_dtype: torch.dtype
+    stats: bool
+
+
+def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Same result as :func:`embedq.quantize.rtn.round_scale_up`, branch-free."""
+    if dtype == torch.float32:
+        return scale
+    s = scale.to(dtype)
+    low = s.float() < scale
+    return torch.where(low, (s.view(_INT16_OF[dtype]) + 1).view(dtype), s)
+
+
+def fused_rtn(x: torch.Tensor, bits: int, group: int, symmetric: bool,
+              scale_dtype: torch.dtype, stats: bool, pairs: bool = False):
+    """Quantize and pack one chunk ``x`` [rows, cols].
+
+    Returns ``(packed, scale, zero_point, max_abs, sq_err, sq_ref)``: ``packed`` holds
+    the packed bytes [rows, cols*bits/8] (as uint8, or as int32 words when ``pairs``;
+    view it as int32 for ``weight_packed``), ``zero_point`` is signed int8 [rows,
+    groups] or None, and the statistics are 0-d tensors (float32 max |x̂-x|, float64
+    sums of squared error and of x²) or None. The arithmetic mirrors ``quantize_rtn``
+    operation for operation.
+
+    ``pairs``: ``x`` is a bf16 chunk viewed as int32 [rows, cols/2] (two adjacent
+    elements per word). bf16 -> float32 is then a shift (exact, as ``.float()``), and
+    even and odd elements are separate contiguous streams, so 4-bit packing (low
+    nibble = even element) needs no strided access.
+    """
+    if pairs:
+        rows, half = x.shape
+        cols = half * 2
+        xi = x.reshape(rows, cols // group, group // 2)
+        parts = [(xi << 16).view(torch.float32), (xi & -65536).view(torch.float32)]
+    else:
+        rows, cols = x.shape
+        parts = [x.float().reshape(rows, cols // group, group)]
+    qmax = (1 << (bits - 1)) - 1
+    qmin = -qmax - 1
+    if symmetric:
+        amax = parts[0].abs().amax(dim=-1)
+        for p in parts[1:]:
+            amax = torch.maximum(amax, p.abs().amax(dim=-1))
+        scale = amax / qmax
+        scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+        s = _round_scale_up(scale, scale_dtype)
+        sf = s.float().unsqueeze(-1)
+        qs = [torch.round(p / sf).clamp(qmin, qmax) for p in parts]
+        zp = None
+        xhats = [q * sf for q in qs] if stats else None
+    else:
+        lo = parts[0].amin(dim=-1)
+        hi = parts[0].amax(dim=-1)
+        for p in parts[1:]:
+            lo = torch.minimum(lo, p.amin(dim=-1))
+            hi = torch.maximum(hi, p.amax(dim=-1))
+        lo = lo.clamp(max=0)
+        hi = hi.clamp(min=0)
+        span = hi - lo
+        levels = (1 << bits) - 1
+        scale = torch.where(span > 0, span / levels, torch.ones_like(span))
+        s = _round_scale_up(scale, scale_dtype)
+        sf1 = s.float()
+        zpf = torch.round(qmin - lo / sf1).clamp(qmin, qmax)
+        sf = sf1.unsqueeze(-1)
+        zpe = zpf.unsqueeze(-1)
+        qs = [(torch.round(p / sf) + zpe).clamp(qmin, qmax) for p in parts]
+        zp = zpf.to(torch.int8)
+        xhats = [(q - zpe) * sf for q in qs] if stats else None
+    # u = q + 2^(bits-1) is an exact small integer in float32: convert via int32.
+    us = [(q + (qmax + 1)).to(torch.int32) for q in qs]
+    if pairs and bits == 4:  # even element in the low nibble
+        packed = (us[0] + us[1] * 16).to(torch.uint8).reshape(rows, cols // 2)
+    elif pairs:  # 8 bits: two bytes per int16 -> little-endian byte order
+        packed = (us[0] + us[1] * 256).to(torch.int16).reshape(rows, cols // 2)
+    elif bits == 8:
+        packed = us[0].to(torch.uint8).reshape(rows, cols)
+    else:
+        u2 = us[0].reshape(rows, cols // 2, 2)
+        packed = (u2[..., 0] + u2[..., 1] * 16).to(torch.uint8)
+    if not stats:
+        return packed, s, zp, None, None, None
+    # Per-group float32 partial sums (same iteration space as the passes above, so
+    # they fuse into them), then float64 across groups.
+    max_abs = sq_err = sq_ref = None
+    for p, xh in zip(parts, xhats):
+        d = xh - p
+        m = d.abs().amax()
+        e = (d * d).sum(dim=-1).double().sum()
+        r = (p * p).sum(dim=-1).double().sum()
+        max_abs = m if max_abs is None else torch.maximum(max_abs, m)
+        sq_err = e if sq_err is None else sq_err + e
+        sq_ref = r if sq_ref is None else sq_ref + r
+    return packed, s, zp, max_abs, sq_err, sq_ref
+
+
+# --- compilation management ----------------------------------------------------------
+
+_lock = threading.Lock()
+_compiled = None  # the torch.compile'd fused_rtn, or False when compiling failed
+_disabled_reason: str | None = None
+
+
+def compile_enabled() -> bool:
+    """Whether compiled kernels will be tried (``EMBEDQ_COMPILE=0`` turns them off)."""
+    if os.environ.get("EMBEDQ_COMPILE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return _compiled is not False
+
+
+def _have_compiler() -> bool:
+    cxx = os.environ.get("CXX")
+    return bool((cxx and shutil.which(cxx)) or shutil.which("g++") or shutil.which("clang++")
+                or shutil.which("c++"))
+
+
+def _get_compiled():
+    global _compiled, _disabled_reason
+    if _compiled is not None:
+        return _compiled
+    with _lock:
+        if _compiled is not None:
+            return _compiled
+        if not _have_compiler():
+            _disabled_reason = "no C++ compiler found"
+            _compiled = False
+            return _compiled
+        try:
+            import torch._dynamo
+            # One graph per (shape, scheme, dtypes): allow more than the default 8.
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(getattr(cfg, "recompile_limit", 8), 256)
+            # emulate_precision_casts: inductor otherwise drops the float32 -> bf16/fp16
+            # -> float32 round trip of the scales, and round-up-to-storage-dtype
+            # (which needs the rounded value) would differ from eager.
+            _compiled = torch.compile(fused_rtn, dynamic=False, fullgraph=True,
+                                      options={"emulate_precision_casts": True})
+        except Exception as e:  # pragma: no cover - depends on the platform
+            _disabled_reason = f"torch.compile unavailable: {e}"
+            _compiled = False
+        return _compiled
+
+
+def kernel_backend() -> str:
+    """``compiled`` or ``eager``: what :func:`quantize_pack` would use now."""
+    if not compile_enabled():
+        return "eager"
+    return "compiled" if _get_compiled() else "eager"
+
+
+def disabled_reason() -> str | None:
+    return _disabled_reason
+
+
+def _fallback(e: Exception) -> None:
+    global _compiled, _disabled_reason
+    _compiled = False
+    _disabled_reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    warnings.warn(f"embedq: {_disabled_reason}; using the eager kernels (same output, slower)",
+                  RuntimeWarning, stacklevel=3)
+
+
+PAIRS_BITS = (4,)  # which bit widths use the bf16-pairs formulation (measured faster)
+
+
+def _use_pairs(x: torch.Tensor, scheme: Scheme) -> bool:
+    return x.dtype == torch.bfloat16 and scheme.bits in PAIRS_BITS
+
+
+def chunk_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
+                group_size: int | None) -> tuple[float, float, float]:
+    """``(max |x̂-x|, Σ(x̂-x)², Σx²)`` of one chunk, the eager way (as ErrorStats.update)."""
+    xf = x.float()
+    d = dequantize_codes(q, scale, zp, group_size) - xf
+    return float(d.abs().max()), float((d.double() ** 2).sum()), float((xf.double() ** 2).sum())
+
+
+def reference(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, stats: bool = True):
+    """The eager reference: ``quantize_rtn`` + ``pack_int32`` (+ eager statistics)."""
+    q, s, zp = quantize_rtn(x, scheme, scale_dtype)
+    st = chunk_stats(x, q, s, zp, scheme.group_size) if stats else None
+    return pack_int32(q, scheme.bits), s, zp, st
+
+
+def quantize_pack(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, stats: bool = True,
+                  compiled: bool | None = None, pad_rows: int | None = None):
+    """RTN-quantize and pack a chunk: ``(packed_int32, scale, zero_point_int8, stats)``.
+
+    ``stats`` is ``(max_abs, sq_err, sq_ref)`` as Python floats, or None. ``compiled``:
+    None = the compiled kernel when available, True = compiled or raise (tests), False =
+    the eager reference. ``pad_rows``: a chunk with fewer rows is zero-padded to this
+    many for the compiled kernel, so a table's last chunk reuses the same compiled
+    graph (zero rows add nothing to the statistics and are cut from the outputs).
+    """
+    if scheme.method != "rtn":
+        raise ValueError("fused kernels implement RTN only")
+    use = compile_enabled() if compiled is None else compiled
+    fn = _get_compiled() if use else None
+    if not fn:
+        if compiled:
+            raise RuntimeError(f"compiled kernels unavailable: {_disabled_reason}")
+        return reference(x, scheme, scale_dtype, stats)
+    rows, cols = x.shape
+    xin = x
+    if pad_rows and rows < pad_rows:
+        xin = torch.zeros((pad_rows, cols), dtype=x.dtype)
+        xin[:rows] = x
+    pairs = _use_pairs(xin, scheme)
+    if pairs:
+        xin = xin.contiguous().view(torch.int32)
+    args = (scheme.bits, scheme.effective_group(cols), scheme.symmetric, scale_dtype, stats, pairs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # inductor's "bf16 and fp16 are mixed"
+            packed, s, zp, ma, se, sr = fn(xin, *args)
+    except Exception as e:
+        if compiled:
+            raise
+        _fallback(e)
+        return reference(x, scheme, scale_dtype, stats)
+    st = None if not stats else (float(ma), float(se), float(sr))
+    packed = packed.reshape(packed.shape[0], -1).view(torch.int32)
+    if packed.shape[0] != rows:
+        packed, s = packed[:rows], s[:rows]
+        zp = None if zp is None else zp[:rows]
+    return packed, s, zp, st
+
+
+def warmup(shape: tuple[int, int], scheme: Scheme, dtype: torch.dtype, scale_dtype: torch.dtype,
+           stats: bool = True) -> str:
+    """Compile (or load from the cache) the kernel for chunks of ``shape``; returns the backend."""
+    if scheme.method != "rtn":
+        return "eager"
+    quantize_pack(torch.zeros(shape, dtype=dtype), scheme, scale_dtype, stats)
+    return kernel_backend()
