@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from embedq.errors import CheckpointError, EmbedqError, OverlayError, SchemeError
@@ -28,9 +27,10 @@ from embedq.overlays.config import QUANT_METHOD, build_config, module_entry
 from embedq.overlays.files import check_writable, write_json_atomic
 from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
 from embedq.overlays.targets import find_targets, resolve_ties
-from embedq.quantize.packing import pack_int32, pack_zero_points, packed_zero_point_rows
+from embedq.quantize.packing import pack_zero_points, packed_zero_point_rows
 from embedq.quantize.scheme import DTYPE_NAMES, Scheme, dtype_from_name
-from embedq.quantize.stream import ErrorStats, default_chunk_rows, iter_quantized
+from embedq.quantize.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline,
+                                   default_chunk_rows, quantize_pack_chunk)
 from embedq.report import ModuleReport, Report
 
 ST_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -150,54 +150,31 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     try:
         for p in plans:
             rows, cols = p.shape
-            cr = chunk_rows or default_chunk_rows(cols, torch.empty((), dtype=p.dtype).element_size())
-            src_hash = hashlib.sha256()
+            itemsize = torch.empty((), dtype=p.dtype).element_size()
+            cr = chunk_rows or default_chunk_rows(cols, itemsize)
             out_hash = {n: hashlib.sha256() for n in p.overlay_tensors()}
             stats = ErrorStats()
-            zp_chunks: list[torch.Tensor] = []
-            path = ckpt.path / p.file
-            try:
-                f = safe_open(str(path), framework="pt")
-                sl = f.get_slice(p.tensor)
-            except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"{path}: cannot read {p.tensor}: {e}") from None
-
-            def read_rows(a: int, b: int) -> torch.Tensor:
-                try:
-                    return sl[a:b]
-                except Exception as e:
-                    raise CheckpointError(f"{path}: cannot read rows {a}:{b} of {p.tensor}: {e}") from None
-
             bar = tqdm(total=rows, desc=f"{p.module} {p.scheme.label()}", unit="row",
                        disable=not progress, leave=False)
             try:
-                for ch in iter_quantized(read_rows, p.shape, p.scheme, p.scale_dtype, cr, stats):
-                    src_hash.update(ch.source.contiguous().view(torch.uint8).numpy())
-                    packed = pack_int32(ch.q, p.scheme.bits)
-                    for name, t in ((f"{p.module}.weight_packed", packed),
-                                    (f"{p.module}.weight_scale", ch.scale)):
-                        writer.write(name, t, row=ch.row)
-                        out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
-                    if ch.zero_point is not None:
-                        zp_chunks.append(ch.zero_point)
-                    bar.update(ch.source.shape[0])
+                src_digest, zp = stream_module(ckpt, p, writer, out_hash, stats, cr, bar)
             finally:
                 bar.close()
             shape_t = torch.tensor([rows, cols], dtype=torch.int64)
             writer.write(f"{p.module}.weight_shape", shape_t)
             out_hash[f"{p.module}.weight_shape"].update(shape_t.numpy().tobytes())
-            if zp_chunks:
+            if zp is not None:
                 # Zero points are tiny (one per group); packing them along rows
                 # needs all rows, so they are collected and written at the end.
-                zp = pack_zero_points(torch.cat(zp_chunks), p.scheme.bits)
+                zp = pack_zero_points(zp, p.scheme.bits)
                 writer.write(f"{p.module}.weight_zero_point", zp)
                 out_hash[f"{p.module}.weight_zero_point"].update(zp.view(torch.uint8).numpy())
-            source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], "sha256": src_hash.hexdigest()}
+            source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], "sha256": src_digest}
             entry = module_entry(p.scheme, p.shape, DTYPE_NAMES[p.scale_dtype], source,
                                  {n: h.hexdigest() for n, h in out_hash.items()})
             entry["role"] = p.role
             entries[p.module] = entry
-            before = rows * cols * torch.empty((), dtype=p.dtype).element_size()
+            before = rows * cols * itemsize
             after = sum(torch.empty((), dtype=d).element_size() * _prod(s)
                         for d, s in p.overlay_tensors().values())
             reports.append(ModuleReport(p.module, p.tensor, [rows, cols], p.scheme.label(),
@@ -208,6 +185,60 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
         writer.abort()
         raise
     return writer, entries, reports
+
+
+# Compiling (or loading a cached compile of) the fused kernel costs a few seconds per
+# process; below this table size the eager reference is faster end to end.
+COMPILE_MIN_BYTES = 256 << 20
+
+
+def compile_min_bytes() -> int:
+    v = os.environ.get("EMBEDQ_COMPILE_MIN_BYTES")
+    return int(v) if v else COMPILE_MIN_BYTES
+
+
+def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsWriter,
+                  out_hash: dict, stats: ErrorStats, chunk_rows: int, bar=None
+                  ) -> tuple[str, torch.Tensor | None]:
+    """Quantize one planned table into ``writer``, chunk by chunk, in bounded memory.
+
+    Three stages overlap (see :class:`embedq.quantize.stream.Pipeline`): the source
+    rows are mapped from the shard and hashed, quantized and packed by the fused
+    kernel, then written and hashed. Returns the source sha256 and the signed zero
+    points (asymmetric schemes only, [rows, groups] int8; written by the caller).
+    """
+    rows, cols = p.shape
+    path = ckpt.path / p.file
+    info = ckpt.tensor(p.tensor)
+    # A table smaller than one chunk is one (padded) chunk of its own size.
+    chunk_rows = min(chunk_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)
+    compiled = None if info.nbytes >= compile_min_bytes() else False
+    packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
+    zp_all = None if p.scheme.symmetric else torch.empty(
+        (rows, p.scheme.groups(cols)), dtype=torch.int8)
+
+    def compute(r0: int, x: torch.Tensor):
+        packed, scale, zp, st = quantize_pack_chunk(x, p.scheme, p.scale_dtype, pad_rows=chunk_rows,
+                                                    compiled=compiled)
+        if zp is not None:
+            zp_all[r0:r0 + x.shape[0]] = zp
+        stats.add(*st, x.numel())
+        if bar is not None:
+            bar.update(x.shape[0])
+        return packed, scale
+
+    def write(r0: int, out) -> None:
+        for name, t in ((packed_name, out[0]), (scale_name, out[1])):
+            writer.write(name, t, row=r0)
+            out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
+
+    try:
+        source = MappedRows(path, info.file_offset, (rows, cols), p.dtype)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {p.tensor}: {e.strerror or e}") from None
+    with source:
+        digest = Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None)).run()
+    return digest, zp_all
 
 
 def _prod(shape) -> int:
