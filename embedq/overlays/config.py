@@ -10,15 +10,15 @@ FORMAT_VERSION = 1
 
 
 def onnx_block_size(scheme: Scheme, cols: int) -> int | None:
-    """Block size ONNX Runtime would use for this table, or None if it has none.
+    """Block size ONNX Runtime uses for this table, or None if it has none.
 
-    Per-row scales become the largest power-of-two block ≥ 16 dividing ``cols``
-    (each block repeats the row's scale).
+    The largest power of two dividing the group (per row: the whole row); each
+    group becomes ``group/block`` blocks repeating its scale and zero point.
+    ONNX Runtime needs a block of at least 16. Must agree with
+    :func:`embedq.backends.onnx.onnx_block_size`.
     """
-    if scheme.group_size is not None:
-        g = scheme.group_size
-        return g if g >= 16 and g & (g - 1) == 0 else None
-    b = cols & -cols
+    g = cols if scheme.group_size is None else scheme.group_size
+    b = g & -g
     return b if b >= 16 else None
 
 

@@ -22,12 +22,17 @@ from embedq.quantize.tensor import QuantizedTable
     (4, None, 2048, 2048), (4, 64, 640, 64), (8, None, 1536, 512)])
 def test_block_size(bits, group, cols, block):
     assert onnx_block_size(bits, group, cols) == block
+    # quantization_config.json's "onnx" section promises the same block
+    from embedq.overlays.config import onnx_block_size as config_block
+    assert config_block(Scheme(bits=bits, group_size=group), cols) == block
 
 
 @pytest.mark.parametrize("group,cols", [(None, 40), (24, 96), (8, 64)])
 def test_block_size_refuses_small_blocks(group, cols):
     with pytest.raises(OnnxError, match="power-of-two block >= 16"):
         onnx_block_size(8, group, cols)
+    from embedq.overlays.config import onnx_block_size as config_block
+    assert config_block(Scheme(bits=8, group_size=group), cols) is None
 
 
 def _table(bits, group, cols, sym, rows=37, seed=0) -> QuantizedTable:
