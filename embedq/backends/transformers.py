@@ -117,22 +117,32 @@ class PackedTable(nn.Module):
                 buf.copy_(src)
 
     # -- dequantization ---------------------------------------------------------------
-    def _codes(self, packed: torch.Tensor) -> torch.Tensor:
-        """Unsigned codes (uint8 [n, cols]) of packed rows."""
+    def _signed_codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """Codes ``u - 2^(bits-1)`` (int8 [n, cols]) of packed rows."""
         b = packed.contiguous().view(torch.uint8)
         if self.bits == 8:
-            return b
+            return (b ^ 0x80).view(torch.int8)  # u - 128, wrapped into int8
         out = torch.empty(b.shape[0], b.shape[1] * 2, dtype=torch.uint8, device=b.device)
         out[:, 0::2] = b & 0x0F
         out[:, 1::2] = b >> 4
-        return out
+        return out.view(torch.int8) - 8
 
     def _zero_points(self, ids: torch.Tensor) -> torch.Tensor:
-        """Unsigned zero points (int32 [n, groups]) of rows ``ids`` from the packed layout."""
+        """Signed zero points ``zp_u - 2^(bits-1)`` (int32 [n, groups]) of rows ``ids``."""
         per_word = 32 // self.bits
         words = self.weight_zero_point[ids // per_word]  # [n, groups] int32
         shift = ((ids % per_word) * self.bits).unsqueeze(-1).to(torch.int32)
-        return (words >> shift) & ((1 << self.bits) - 1)
+        return ((words >> shift) & ((1 << self.bits) - 1)) - (1 << (self.bits - 1))
+
+    def _dequant(self, packed: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+        n = packed.shape[0]
+        g = self.cols if self.group_size is None else self.group_size
+        x = self._signed_codes(packed).to(torch.float32).view(n, self.cols // g, g)
+        if not self.symmetric:
+            x.sub_(self._zero_points(ids).to(torch.float32).unsqueeze(-1))
+        x.mul_(scale.to(torch.float32).unsqueeze(-1))
+        return x.view(n, self.cols).to(dtype)
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (1-D long) as ``[n, cols]`` in ``dtype``.
@@ -140,22 +150,14 @@ class PackedTable(nn.Module):
         Same arithmetic as the quantizer's contract: ``(u - zp) * scale`` in float32,
         with ``zp = 2^(bits-1)`` when symmetric, then cast to ``dtype``.
         """
-        n = ids.shape[0]
-        g = self.cols if self.group_size is None else self.group_size
-        u = self._codes(self.weight_packed[ids]).view(n, self.cols // g, g)
-        if self.symmetric:
-            q = u.to(torch.float32) - float(1 << (self.bits - 1))
-        else:
-            q = u.to(torch.float32) - self._zero_points(ids).to(torch.float32).unsqueeze(-1)
-        x = q * self.weight_scale[ids].to(torch.float32).unsqueeze(-1)
-        return x.view(n, self.cols).to(dtype)
+        return self._dequant(self.weight_packed[ids], self.weight_scale[ids], ids, dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, end: int | None = None
                    ) -> torch.Tensor:
         """Rows ``start:end`` of the table (the whole table by default) in ``dtype``."""
         end = self.rows if end is None else end
-        ids = torch.arange(start, end, device=self.weight_packed.device)
-        return self.dequantize_rows(ids, dtype)
+        ids = None if self.symmetric else torch.arange(start, end, device=self.weight_packed.device)
+        return self._dequant(self.weight_packed[start:end], self.weight_scale[start:end], ids, dtype)
 
 
 def _scale_spec(original: nn.Module | None) -> tuple[str, float] | None:
@@ -417,7 +419,7 @@ def fill_tables(tables: dict[str, PackedTable], overlay_dir: str | os.PathLike) 
 # transformers registration
 
 _REGISTERED = False
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # importing transformers below re-enters via the import hook
 
 
 def _overlay_dir_from(checkpoint_files, config) -> Path:
@@ -441,6 +443,8 @@ def register() -> None:
         from transformers.quantizers import auto as qauto
         from transformers.quantizers.base import HfQuantizer
         from transformers.utils.quantization_config import QuantizationConfigMixin
+        if _REGISTERED:  # the import above ran the import hook, which registered
+            return
 
         class EmbedqConfig(QuantizationConfigMixin):
             """transformers' view of an embedq ``quantization_config`` (kept verbatim)."""
