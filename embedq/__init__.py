@@ -70,10 +70,10 @@ def evaluate(path, **kwargs):
     return _evaluate(path, **kwargs)
 
 
-def plan(path, **kwargs):
+def plan(path, gpu_mem="32GiB", **kwargs):
     """KV-cache capacity before/after the overlay (see :func:`embedq.plan.plan`)."""
     from embedq.plan import plan as _plan
-    return _plan(path, **kwargs)
+    return _plan(path, gpu_mem, **kwargs)
 
 
 # ``AutoModel*.from_pretrained`` understands ``quant_method: embedq`` once transformers'
