@@ -1,0 +1,460 @@
+#!/usr/bin/env python
+"""Benchmark ``embedq quantize`` against a plain copy and against llm-compressor.
+
+One run does four things (see docs/performance.md for results and how to read them):
+
+1. Synthesizes (once; cached under ``$EMBEDQ_CACHE/bench``) a checkpoint shaped like
+   Qwen3.8-27B's vocabulary tables: embedding 248,320 x 5,120 bf16 and an untied lm_head
+   of the same shape, over 3 shards with other tensors (~5.1 GB). ``--small`` makes a
+   65,536 x 2,048 variant (~0.55 GB) for a quick run.
+2. Measures a **copy baseline** with plain file I/O, warm page cache: read exactly the
+   source tables' bytes (``preadv`` into a reused buffer) and write as many bytes as the
+   overlay of each scheme has, to a new file in the checkpoint folder. Reported without
+   and with a final ``fsync`` (embedq fsyncs its overlay: that is the like-for-like one).
+3. Runs ``embedq quantize DIR --lm-head`` for int8 per-row, int8 g128 and Q4 g32, each in
+   a fresh process, twice: first with an empty torch.compile cache (compilation counted),
+   then with the cache that run filled. Wall time, CPU time (user+sys) and peak RSS come
+   from ``wait4`` on the child, like ``/usr/bin/time``.
+4. Runs llm-compressor's data-free embedding recipe (``QuantizationModifier`` with a
+   config group targeting ``Embedding``: W8 per channel, W4 g32; ``oneshot`` without data;
+   ``save_pretrained(save_compressed=True)``) on the real Gemma 3 270M checkpoint, in its
+   own venv (scripts/setup_llmcompressor_venv.sh), and embedq on the same checkpoint.
+
+Prints a table and writes JSON to ``bench-results/bench-<timestamp>.json``.
+
+    python scripts/bench_quantize.py            # everything (~5 GB of disk in the cache)
+    python scripts/bench_quantize.py --small    # quick variant
+    python scripts/bench_quantize.py --skip-peer --repeat 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCHEMES = {  # label -> embedq CLI flags
+    "int8 per-row": ["--bits", "8"],
+    "int8 g128": ["--bits", "8", "--group-size", "128"],
+    "Q4 g32": ["--bits", "4", "--group-size", "32"],
+}
+PEER_SCHEMES = {  # label -> (embedq flags, llm-compressor weights args)
+    "W8 channel": (["--bits", "8"], {"num_bits": 8, "type": "int", "symmetric": True,
+                                     "strategy": "channel"}),
+    "W4 g32": (["--bits", "4", "--group-size", "32"], {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": 32}),
+}
+FULL = dict(name="qwen27b-shaped", vocab=248_320, hidden=5_120, intermediate=1_024, layers=2)
+SMALL = dict(name="qwen27b-shaped-small", vocab=65_536, hidden=2_048, intermediate=512, layers=2)
+MARKER = ".bench_complete"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("EMBEDQ_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "embedq"
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --- 1. the synthetic checkpoint ----------------------------------------------------
+
+def synthesize(spec: dict, root: Path) -> Path:
+    """A Qwen3-style checkpoint whose only large tensors are the two vocabulary tables."""
+    import torch
+
+    from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
+    path = root / spec["name"]
+    if (path / MARKER).is_file():
+        return path
+    v, h, inter, layers = spec["vocab"], spec["hidden"], spec["intermediate"], spec["layers"]
+    need = 2 * v * h * 2 + (256 << 20)
+    free = shutil.disk_usage(root.parent if not root.exists() else root).free
+    if free < need * 1.2:
+        raise SystemExit(f"not enough disk for the synthetic checkpoint: {need / 1e9:.1f} GB needed, "
+                         f"{free / 1e9:.1f} GB free under {root}")
+    log(f"synthesizing {path} ({need / 1e9:.1f} GB; once, then cached)")
+    tmp = root / f".{spec['name']}.{os.getpid()}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    heads, kv, hd = 8, 2, 128
+    bf = torch.bfloat16
+    layer_t = {}
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        layer_t.update({
+            pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
+            pre + "self_attn.q_proj.weight": (heads * hd, h), pre + "self_attn.k_proj.weight": (kv * hd, h),
+            pre + "self_attn.v_proj.weight": (kv * hd, h), pre + "self_attn.o_proj.weight": (h, heads * hd),
+            pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,),
+            pre + "mlp.gate_proj.weight": (inter, h), pre + "mlp.up_proj.weight": (inter, h),
+            pre + "mlp.down_proj.weight": (h, inter),
+        })
+    names = sorted(layer_t)
+    shards = {
+        "model-00001-of-00003.safetensors": {"model.embed_tokens.weight": (v, h),
+                                             **{n: layer_t[n] for n in names[: len(names) // 2]}},
+        "model-00002-of-00003.safetensors": {n: layer_t[n] for n in names[len(names) // 2:]},
+        "model-00003-of-00003.safetensors": {"model.norm.weight": (h,), "lm_head.weight": (v, h)},
+    }
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for fname, tensors in shards.items():
+        decl = {n: (bf, s) for n, s in tensors.items()}
+        with StreamingSafetensorsWriter(tmp / fname, decl, {"format": "pt"}) as w:
+            for n, shape in tensors.items():
+                rows = shape[0]
+                cols = shape[1] if len(shape) > 1 else 1
+                step = max(1, (32 << 20) // (cols * 4))
+                for r0 in range(0, rows, step):
+                    r1 = min(rows, r0 + step)
+                    if len(shape) == 1:
+                        x = torch.ones(r1 - r0, dtype=bf)
+                    else:
+                        # Embedding-like rows: N(0, 0.02) with a per-row spread and outliers.
+                        x = torch.randn(r1 - r0, cols, generator=gen) * 0.02
+                        x *= torch.rand(r1 - r0, 1, generator=gen) + 0.5
+                        x[:, :: max(1, cols // 7)] *= 4
+                        x = x.to(bf)
+                    w.write(n, x, row=r0)
+                weight_map[n] = fname
+                total += rows * cols * 2
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+        "vocab_size": v, "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "_comment": "synthetic: only the vocabulary tables have the real model's shape",
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / MARKER).write_text(json.dumps({"spec": spec, "bytes": total}))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def table_info(ckpt_dir: Path, names: list[str]) -> list[tuple[Path, int, int]]:
+    """``(file, byte offset, nbytes)`` of each named tensor."""
+    from embedq.overlays.checkpoint import Checkpoint
+    ck = Checkpoint.open(ckpt_dir)
+    out = []
+    for n in names:
+        t = ck.tensor(n)
+        out.append((ckpt_dir / t.file, t.file_offset, t.nbytes))
+    return out
+
+
+def overlay_bytes(rows: int, cols: int, bits: int, group: int | None, n_tables: int) -> int:
+    groups = 1 if group is None else cols // group
+    return n_tables * (rows * cols * bits // 8 + rows * groups * 2 + 8)
+
+
+def warm(files: list[tuple[Path, int, int]]) -> None:
+    """Read the tables once so the page cache is warm."""
+    buf = bytearray(16 << 20)
+    for f, off, n in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            pos = 0
+            while pos < n:
+                pos += os.preadv(fd, [memoryview(buf)[: min(len(buf), n - pos)]], off + pos)
+        finally:
+            os.close(fd)
+
+
+# --- 2. the copy baseline ------------------------------------------------------------
+
+def copy_baseline(files: list[tuple[Path, int, int]], out_bytes: int, dest_dir: Path,
+                  fsync: bool, chunk: int = 8 << 20) -> float:
+    """Read the tables, write ``out_bytes`` (spread evenly over the reads), optional fsync."""
+    total_in = sum(n for _, _, n in files)
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    dest = dest_dir / f".bench-copy.{os.getpid()}.tmp"
+    t0 = time.perf_counter()
+    wfd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written, read_so_far = 0, 0
+        for f, off, n in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                pos = 0
+                while pos < n:
+                    got = os.preadv(fd, [mv[: min(chunk, n - pos)]], off + pos)
+                    pos += got
+                    read_so_far += got
+                    target = out_bytes * read_so_far // total_in
+                    while written < target:
+                        k = min(target - written, chunk)
+                        written += os.pwrite(wfd, mv[:k], written)
+            finally:
+                os.close(fd)
+        if fsync:
+            os.fsync(wfd)
+    finally:
+        os.close(wfd)
+    dt = time.perf_counter() - t0
+    dest.unlink()
+    return dt
+
+
+# --- child processes with /usr/bin/time-style accounting -----------------------------
+
+def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    # wait4 gives this child's own rusage (and its waited-for descendants').
+    out_chunks, err_chunks = [], []
+    import threading
+
+    def pump(src, dst):
+        for line in iter(src.readline, b""):
+            dst.append(line)
+    ts = [threading.Thread(target=pump, args=(p.stdout, out_chunks)),
+          threading.Thread(target=pump, args=(p.stderr, err_chunks))]
+    for t in ts:
+        t.start()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    for t in ts:
+        t.join()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": p.returncode, "wall_s": wall, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
+            "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mib": ru.ru_maxrss / 1024,
+            "stdout": b"".join(out_chunks).decode(errors="replace"),
+            "stderr": b"".join(err_chunks).decode(errors="replace")}
+
+
+def embedq_cmd(ckpt: Path, flags: list[str], lm_head: bool) -> list[str]:
+    return [sys.executable, "-m", "embedq.cli", "quantize", str(ckpt), *flags,
+            *(["--lm-head"] if lm_head else []), "--force", "--json", "-q"]
+
+
+def run_embedq(ckpt: Path, flags: list[str], lm_head: bool, inductor_cache: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    r = run_measured(embedq_cmd(ckpt, flags, lm_head), env=env)
+    if r["rc"] != 0:
+        raise SystemExit(f"embedq failed ({r['rc']}):\n{r['stderr'][-3000:]}")
+    rep = json.loads(r["stdout"])
+    r["report_seconds"] = rep.get("seconds")
+    r["bytes_before"] = rep["bytes_before"]
+    r["bytes_after"] = rep["bytes_after"]
+    r["overlay_file_bytes"] = (ckpt / "embedq.safetensors").stat().st_size
+    r["rms_error"] = [m["rms_error"] for m in rep["modules"]]
+    del r["stdout"]
+    r["stderr"] = r["stderr"][-2000:]
+    return r
+
+
+def embedq_remove(ckpt: Path) -> None:
+    subprocess.run([sys.executable, "-m", "embedq.cli", "remove", str(ckpt)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# --- 4. the peer -----------------------------------------------------------------------
+
+LLMC_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+src, out, weights = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+import torch
+from transformers import AutoModelForCausalLM
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+t_import = time.perf_counter() - t0
+model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+recipe = QuantizationModifier(config_groups={"group_0": {"targets": ["Embedding"], "weights": weights}})
+oneshot(model=model, recipe=recipe)
+model.save_pretrained(out, save_compressed=True)
+print(json.dumps({"import_s": t_import, "total_s": time.perf_counter() - t0}))
+"""
+
+
+def dir_bytes(path: Path, suffix: str = ".safetensors") -> int:
+    return sum(p.stat().st_size for p in path.rglob(f"*{suffix}") if p.is_file())
+
+
+def run_peer(work: Path, gemma: Path, repeat: int, inductor_cache: Path) -> list[dict]:
+    setup = REPO / "scripts" / "setup_llmcompressor_venv.sh"
+    try:
+        py = subprocess.run(["bash", str(setup)], check=True, capture_output=True,
+                            text=True).stdout.strip().splitlines()[-1]
+    except (subprocess.CalledProcessError, IndexError) as e:
+        log(f"llm-compressor venv unavailable ({e}); skipping the peer comparison")
+        return []
+    # embedq works on a private copy: the shards hard-linked (never modified in place),
+    # the small files copied (config.json is edited).
+    ck = work / "gemma3-270m"
+    shutil.rmtree(ck, ignore_errors=True)
+    ck.mkdir(parents=True)
+    for f in gemma.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            if f.suffix == ".safetensors":
+                try:
+                    os.link(f, ck / f.name)
+                except OSError:
+                    shutil.copy2(f, ck / f.name)
+            else:
+                shutil.copy2(f, ck / f.name)
+    warm(table_info(ck, ["model.embed_tokens.weight"]))
+    rows = []
+    for label, (flags, weights) in PEER_SCHEMES.items():
+        for i in range(repeat):
+            out = work / "llmc-out"
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"llm-compressor {label} (run {i + 1})")
+            r = run_measured([py, "-c", LLMC_SCRIPT, str(gemma), str(out), json.dumps(weights)])
+            ok = r["rc"] == 0
+            inner = json.loads(r["stdout"].strip().splitlines()[-1]) if ok else {}
+            rows.append({"tool": "llm-compressor", "scheme": label, "run": i + 1, "rc": r["rc"],
+                         "wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "peak_rss_mib": r["peak_rss_mib"],
+                         "inner_s": inner.get("total_s"), "import_s": inner.get("import_s"),
+                         "output_bytes": dir_bytes(out) if ok else None,
+                         "stderr": "" if ok else r["stderr"][-3000:]})
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"embedq {label} (run {i + 1})")
+            embedq_remove(ck)
+            e = run_embedq(ck, flags, False, inductor_cache)
+            rows.append({"tool": "embedq", "scheme": label, "run": i + 1, "rc": 0,
+                         "wall_s": e["wall_s"], "cpu_s": e["cpu_s"], "peak_rss_mib": e["peak_rss_mib"],
+                         "inner_s": e["report_seconds"], "output_bytes": e["overlay_file_bytes"]})
+    embedq_remove(ck)
+    return rows
+
+
+# --- main ---------------------------------------------------------------------------------
+
+def machine() -> dict:
+    import torch
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "kernel": platform.release(), "load_avg_start": os.getloadavg()}
+
+
+def fmt_table(rows: list[list], head: list[str]) -> str:
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (x + 2) for x in w) + "|")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="65,536 x 2,048 tables instead of 248,320 x 5,120")
+    ap.add_argument("--repeat", type=int, default=1, help="warm-cache runs per scheme (after the cold one)")
+    ap.add_argument("--copy-repeat", type=int, default=3)
+    ap.add_argument("--skip-peer", action="store_true", help="no llm-compressor / Gemma comparison")
+    ap.add_argument("--skip-synthetic", action="store_true", help="only the Gemma comparison")
+    ap.add_argument("--peer-repeat", type=int, default=1)
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated subset of: " + ", ".join(SCHEMES))
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results")
+    args = ap.parse_args()
+
+    spec = SMALL if args.small else FULL
+    root = cache_root() / "bench"
+    root.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine(), "spec": spec, "started": _dt.datetime.now().isoformat(timespec="seconds")}
+    log(f"machine: {result['machine']}")
+    tmp_caches = Path(tempfile.mkdtemp(prefix="embedq-bench-inductor-"))
+    out_lines = []
+    try:
+        if not args.skip_synthetic:
+            ckpt = synthesize(spec, root)
+            embedq_remove(ckpt)
+            tables = table_info(ckpt, ["model.embed_tokens.weight", "lm_head.weight"])
+            src_bytes = sum(n for _, _, n in tables)
+            result["checkpoint"] = {"path": str(ckpt), "table_bytes": src_bytes,
+                                    "total_bytes": dir_bytes(ckpt)}
+            runs = []
+            for label in [s.strip() for s in args.schemes.split(",") if s.strip()]:
+                flags = SCHEMES[label]
+                bits = int(flags[1])
+                group = int(flags[3]) if "--group-size" in flags else None
+                ob = overlay_bytes(spec["vocab"], spec["hidden"], bits, group, 2)
+                warm(tables)
+                copy_nf = min(copy_baseline(tables, ob, ckpt, False) for _ in range(args.copy_repeat))
+                copy_fs = min(copy_baseline(tables, ob, ckpt, True) for _ in range(args.copy_repeat))
+                cache = tmp_caches / label.replace(" ", "_")  # empty: the first run compiles
+                for i in range(1 + args.repeat):
+                    warm(tables)
+                    log(f"embedq {label} run {i + 1} ({'cold' if i == 0 else 'warm'} compile cache)")
+                    r = run_embedq(ckpt, flags, True, cache)
+                    embedq_remove(ckpt)
+                    r.update(scheme=label, run=i + 1, compile_cache="cold" if i == 0 else "warm",
+                             copy_s=copy_nf, copy_fsync_s=copy_fs, out_bytes_expected=ob,
+                             gb_per_s=src_bytes / r["wall_s"] / 1e9,
+                             x_copy=r["wall_s"] / copy_nf, x_copy_fsync=r["wall_s"] / copy_fs)
+                    runs.append(r)
+            result["synthetic"] = runs
+            head = ["scheme", "compile cache", "wall s", "CPU s", "peak RSS MiB", "GB/s",
+                    "copy s", "copy+fsync s", "x copy", "x copy+fsync"]
+            rows = [[r["scheme"], r["compile_cache"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
+                     f"{r['peak_rss_mib']:.0f}", f"{r['gb_per_s']:.2f}", f"{r['copy_s']:.2f}",
+                     f"{r['copy_fsync_s']:.2f}", f"{r['x_copy']:.2f}", f"{r['x_copy_fsync']:.2f}"]
+                    for r in runs]
+            out_lines += [f"embedq quantize --lm-head on {spec['name']} "
+                          f"({spec['vocab']:,} x {spec['hidden']:,} bf16 x 2 tables = {src_bytes / 1e9:.2f} GB)",
+                          fmt_table(rows, head), ""]
+        if not args.skip_peer:
+            sys.path.insert(0, str(REPO / "scripts"))
+            from make_gemma3_fixture import ensure_gemma3_270m
+            gemma = Path(ensure_gemma3_270m())
+            peer = run_peer(root / "peer", gemma, args.peer_repeat, tmp_caches / "gemma")
+            result["peer"] = peer
+            if peer:
+                head = ["tool", "scheme", "wall s", "CPU s", "peak RSS MiB", "output MB", "speed-up", "less memory"]
+                rows = []
+                by = {(r["tool"], r["scheme"], r["run"]): r for r in peer}
+                for r in peer:
+                    other = by.get(("llm-compressor", r["scheme"], r["run"]))
+                    su = f"{other['wall_s'] / r['wall_s']:.1f}x" if r["tool"] == "embedq" and other and other["rc"] == 0 else ""
+                    mem = f"{other['peak_rss_mib'] / r['peak_rss_mib']:.1f}x" if su else ""
+                    rows.append([r["tool"], r["scheme"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
+                                 f"{r['peak_rss_mib']:.0f}",
+                                 "-" if r["output_bytes"] is None else f"{r['output_bytes'] / 1e6:.0f}", su, mem])
+                out_lines += ["Gemma 3 270M (262,144 x 640 bf16 embedding, tied): embedq vs llm-compressor "
+                              "(fresh process each, wall includes Python start-up and imports)",
+                              fmt_table(rows, head), ""]
+    finally:
+        shutil.rmtree(tmp_caches, ignore_errors=True)
+    result["machine"]["load_avg_end"] = os.getloadavg()
+    m = result["machine"]
+    out_lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB RAM, "
+                     f"torch {m['torch']}, Linux {m['kernel']}; load average at start "
+                     f"{m['load_avg_start'][0]:.2f}, at end {m['load_avg_end'][0]:.2f}")
+    text = "\n".join(out_lines)
+    print(text)
+    result["table"] = text
+    args.out.mkdir(parents=True, exist_ok=True)
+    dest = args.out / f"bench-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    dest.write_text(json.dumps(result, indent=2, default=str))
+    log(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main()
