@@ -1,0 +1,154 @@
+"""embedq eval: KLD of an identity overlay is 0; of a real one, > 0 and equal to a hand computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+import embedq
+from embedq.cli import app
+from embedq.evaluate import EvalError, load_reference, make_contexts, text_contexts
+from qualutil import add_tokenizer, dequantized_reference, set_table
+
+TOKENS = [int(x) for x in torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1))]
+BOS = 1
+
+
+def _exact_table(rows: int, cols: int) -> torch.Tensor:
+    """Integers in [-127, 127] times 2^-7, every row reaching 127: int8 per-row is exact."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (rows, cols), generator=g).float()
+    q[:, 0] = 127.0
+    return q * 2.0 ** -7
+
+
+def test_identity_overlay_has_zero_kld(model_factory):
+    src = model_factory("qwen2_tied")
+    set_table(src, "model.embed_tokens.weight", _exact_table(512, 64))
+    rep = embedq.quantize(src, bits=8, progress=False)
+    assert rep.modules[0].max_abs_error == 0.0
+    r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    assert r.mean_kld == 0.0 and r.kld_max == 0.0 and r.kld_ci95 == (0.0, 0.0)
+    assert r.same_top1 == 100.0
+    assert r.delta_ppl == 0.0 and r.ppl_reference == r.ppl_quantized
+    assert r.tokens == 3 * 7
+
+
+def _by_hand(src, overlay, contexts):
+    """Mean KLD / same-top-1 / perplexities computed directly from two float models."""
+    cls = transformers.AutoModelForCausalLM
+    ref = load_reference(src, cls, torch.float32)
+    deq = dequantized_reference(src, overlay, cls, dtype=torch.float32)
+    kl, same, nll_r, nll_q = [], 0, 0.0, 0.0
+    with torch.no_grad():
+        for row in contexts:
+            ids = torch.tensor([row])
+            p = torch.softmax(ref(ids).logits[0, :-1].double(), -1)
+            q = torch.softmax(deq(ids).logits[0, :-1].double(), -1)
+            kl += (p * (p.log() - q.log())).sum(-1).tolist()
+            same += int((p.argmax(-1) == q.argmax(-1)).sum())
+            nxt = ids[0, 1:]
+            nll_r -= float(p[torch.arange(len(nxt)), nxt].log().sum())
+            nll_q -= float(q[torch.arange(len(nxt)), nxt].log().sum())
+    n = len(kl)
+    return {"mean_kld": sum(kl) / n, "kld_max": max(kl), "same_top1": 100.0 * same / n,
+            "ppl_reference": math.exp(nll_r / n), "ppl_quantized": math.exp(nll_q / n), "tokens": n}
+
+
+@pytest.mark.parametrize("kind,kw", [("qwen2_tied", dict(bits=4)),
+                                     ("llama_untied_sharded", dict(bits=4, lm_head=True, symmetric=False)),
+                                     ("gemma3_tied", dict(bits=8))])
+def test_perturbed_table_kld_matches_hand_computation(model_factory, kind, kw):
+    src = model_factory(kind)
+    embedq.quantize(src, progress=False, **kw)
+    r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    # contexts by hand: 70 tokens = 10 windows of 7; windows 0, 3 and 6, each after BOS
+    ctx = [[BOS] + TOKENS[k * 7:(k + 1) * 7] for k in (0, 3, 6)]
+    assert make_contexts(TOKENS, 3, 8, BOS).tolist() == ctx
+    hand = _by_hand(src, src, ctx)
+    assert r.mean_kld > 0
+    assert r.mean_kld == pytest.approx(hand["mean_kld"], rel=1e-6, abs=1e-12)
+    assert r.kld_max == pytest.approx(hand["kld_max"], rel=1e-6)
+    assert r.same_top1 == pytest.approx(hand["same_top1"])
+    assert r.ppl_reference == pytest.approx(hand["ppl_reference"], rel=1e-9)
+    assert r.ppl_quantized == pytest.approx(hand["ppl_quantized"], rel=1e-6)
+    assert r.delta_ppl == pytest.approx(hand["ppl_quantized"] - hand["ppl_reference"], rel=1e-5, abs=1e-9)
+    assert r.tokens == hand["tokens"]
+    lo, hi = r.kld_ci95
+    assert lo <= r.mean_kld <= hi
+    assert r.kld_p50 <= r.kld_p90 <= r.kld_p99 <= r.kld_max
+    assert len(r.per_context) == 3
+    assert sum(c["mean_kld"] * c["tokens"] for c in r.per_context) / r.tokens == pytest.approx(r.mean_kld)
+
+
+def test_float_head_measures_the_gather_only(model_factory):
+    src = model_factory("qwen2_tied")
+    embedq.quantize(src, bits=4, progress=False)
+    full = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    gather = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, float_head=True,
+                             progress=False)
+    assert gather.modules == {"model.embed_tokens": "int4 g32 sym"}
+    assert 0 < gather.mean_kld != full.mean_kld
+
+
+def test_derived_checkpoint_needs_its_source(model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    out = tmp_path / "derived"
+    embedq.quantize(src, bits=4, output=out, progress=False)
+    with pytest.raises(EvalError, match="--reference"):
+        embedq.evaluate(out, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    d = embedq.evaluate(out, reference=src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    embedq.quantize(src, bits=4, progress=False)
+    i = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    assert d.mean_kld == i.mean_kld and d.same_top1 == i.same_top1
+
+
+def test_contexts_from_text_start_with_bos_and_do_not_overlap(model_factory):
+    src = model_factory("qwen2_tied")
+    add_tokenizer(src, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(src))
+    text = "\n".join(f"line {i}: " + "word " * (i % 7) for i in range(400))
+    ctx = text_contexts(tok, text, 5, 16, tok.bos_token_id)
+    assert ctx.shape == (5, 16) and (ctx[:, 0] == tok.bos_token_id).all()
+    assert (ctx[:, 1:] != tok.bos_token_id).all()
+    decoded = [tok.decode(r[1:]) for r in ctx]
+    starts = [text.find(d) for d in decoded]
+    assert all(s >= 0 for s in starts) and starts == sorted(starts)
+    assert all(a + len(d) <= b for a, b, d in zip(starts, starts[1:], decoded))
+    with pytest.raises(EvalError, match="too short"):
+        text_contexts(tok, "tiny text", 3, 64, tok.bos_token_id)
+
+
+def test_cli_eval_json_matches_python_api(model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    add_tokenizer(src, 512)
+    embedq.quantize(src, bits=4, progress=False)
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(f"The {i}th line says something about Python {i % 13}." for i in range(300)))
+    res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "4", "--length", "24",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    api = embedq.evaluate(src, text=text, contexts=4, length=24, progress=False)
+    for k in ("mean_kld", "kld_p99", "same_top1", "delta_ppl", "tokens"):
+        assert d[k] == getattr(api, k)
+    assert d["kld_ci95"] == list(api.kld_ci95)
+    assert d["bos"] and d["text"] == str(text)
+    # the default text (Python's bundled docs) also works, and the table prints
+    res = CliRunner().invoke(app, ["eval", str(src), "--contexts", "2", "--length", "16", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "mean KLD" in res.output and "pydoc_data/topics.py" in res.output
+
+
+def test_cli_eval_errors_are_one_line(model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    res = CliRunner().invoke(app, ["eval", str(src)])
+    assert res.exit_code == 2 and str(src) in res.output and "no embedq overlay" in res.output
+    embedq.quantize(src, bits=8, progress=False)
+    res = CliRunner().invoke(app, ["eval", str(src), "--text", str(tmp_path / "missing.txt")])
+    assert res.exit_code == 2 and "missing.txt: text file not found" in res.output
