@@ -198,6 +198,10 @@ def kv_layout(config: dict, state_bytes: int = 2) -> KVLayout:
     if "chunked" in kinds and not chunk:
         kinds = ["full" if k == "chunked" else k for k in kinds]
 
+    if "sliding" not in kinds:
+        window = None
+    if "chunked" not in kinds:
+        chunk = None
     n_linear = kinds.count("linear")
     linear_bytes = 0
     if n_linear:
