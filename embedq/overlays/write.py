@@ -147,6 +147,8 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     writer.open()
     entries: dict[str, dict] = {}
     reports: list[ModuleReport] = []
+    total = sum(p.shape[0] * p.shape[1] * torch.empty((), dtype=p.dtype).element_size() for p in plans)
+    compiled = None if total >= compile_min_bytes() else False
     try:
         for p in plans:
             rows, cols = p.shape
@@ -157,7 +159,7 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
             bar = tqdm(total=rows, desc=f"{p.module} {p.scheme.label()}", unit="row",
                        disable=not progress, leave=False)
             try:
-                src_digest, zp = stream_module(ckpt, p, writer, out_hash, stats, cr, bar)
+                src_digest, zp = stream_module(ckpt, p, writer, out_hash, stats, cr, bar, compiled)
             finally:
                 bar.close()
             shape_t = torch.tensor([rows, cols], dtype=torch.int64)
@@ -187,9 +189,10 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     return writer, entries, reports
 
 
-# Compiling (or loading a cached compile of) the fused kernel costs a few seconds per
-# process; below this table size the eager reference is faster end to end.
-COMPILE_MIN_BYTES = 256 << 20
+# Compiling the fused kernel costs ~20 s once per machine and shape, and loading the
+# cached compile still ~3 s per process (importing inductor, tracing); it saves ~3.5 s
+# per GB of table. Below this many bytes of tables per run the eager path is faster.
+COMPILE_MIN_BYTES = 1 << 30
 
 
 def compile_min_bytes() -> int:
@@ -198,13 +201,14 @@ def compile_min_bytes() -> int:
 
 
 def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsWriter,
-                  out_hash: dict, stats: ErrorStats, chunk_rows: int, bar=None
-                  ) -> tuple[str, torch.Tensor | None]:
+                  out_hash: dict, stats: ErrorStats, chunk_rows: int, bar=None,
+                  compiled: bool | None = None) -> tuple[str, torch.Tensor | None]:
     """Quantize one planned table into ``writer``, chunk by chunk, in bounded memory.
 
     Three stages overlap (see :class:`embedq.quantize.stream.Pipeline`): the source
     rows are mapped from the shard and hashed, quantized and packed by the fused
-    kernel, then written and hashed. Returns the source sha256 and the signed zero
+    kernel (``compiled``: None = when available, False = the eager reference), then
+    written and hashed. Returns the source sha256 and the signed zero
     points (asymmetric schemes only, [rows, groups] int8; written by the caller).
     """
     rows, cols = p.shape
@@ -212,7 +216,6 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     info = ckpt.tensor(p.tensor)
     # A table smaller than one chunk is one (padded) chunk of its own size.
     chunk_rows = min(chunk_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)
-    compiled = None if info.nbytes >= compile_min_bytes() else False
     packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
     zp_all = None if p.scheme.symmetric else torch.empty(
         (rows, p.scheme.groups(cols)), dtype=torch.int8)
