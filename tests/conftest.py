@@ -67,10 +67,7 @@ def model_factory(tmp_path_factory):
     return make
 
 
-def snapshot(path: Path) -> dict[str, str]:
-    """sha256 of every file under ``path`` (relative names)."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+from ckptutil import snapshot  # noqa: E402,F401  (re-exported for older imports)
 
 
 @pytest.fixture(scope="session")

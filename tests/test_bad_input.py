@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import snapshot
+from ckptutil import snapshot
 from embedq.cli import app
 
 runner = CliRunner()

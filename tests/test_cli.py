@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from conftest import snapshot
+from ckptutil import snapshot
 from embedq.cli import app
 
 runner = CliRunner()

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import embedq
-from conftest import snapshot
+from ckptutil import snapshot
 from embedq.errors import OverlayError, TieError
 from embedq.overlays.reader import load_overlay
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import embedq
-from conftest import snapshot
+from ckptutil import snapshot
 from embedq.overlays.reader import load_overlay
 
 pytestmark = pytest.mark.slow
