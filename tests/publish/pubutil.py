@@ -1,7 +1,7 @@
 """Fixtures and helpers for the publishing tests.
 
 (Not a conftest.py: a second conftest module would shadow tests/conftest.py for the
-``from conftest import snapshot`` imports of the top-level tests. Test modules import
+``from ckptutil import snapshot`` imports of the top-level tests. Test modules import
 the fixtures they use from here.)
 """
 
