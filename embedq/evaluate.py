@@ -462,55 +462,74 @@ def _config_bos(p: Path) -> int | None:
 # ---------------------------------------------------------------------------------------
 # scheme advice (used by ``embedq quantize``)
 
-# Measured with scripts/eval_gemma3.py on the real Gemma 3 270M (tied, 262144 x 640 bf16),
-# defaults of ``embedq eval``; see docs/quality.md. Keys: (bits, group_size, symmetric,
-# head) where head is "shared" (tied head reads the same table), "float" (only the
-# gather quantized) or the head's bits when the head has its own table.
-MEASURED_GEMMA3_270M: dict[tuple, dict] = {}
+# Measured with ``python scripts/eval_gemma3.py --all`` on the real Gemma 3 270M (tied,
+# 262144 x 640 bf16), ``embedq eval`` defaults (see docs/quality.md). Key: (bits, group
+# size, symmetric, head), head = "shared" (the tied head reads the same table), "float"
+# (gather only, head kept bf16) or "int8" (the head has its own int8 per-row table).
+# Value: (mean KLD, same-top-1 %, overlay MB).
+MEASURED_GEMMA3_270M: dict[tuple, tuple[float, float, float]] = {
+    (8, None, True, "shared"): (0.00673, 96.5, 168.3),
+    (8, 128, True, "shared"): (0.00141, 98.1, 170.4),
+    (8, 32, True, "shared"): (0.00021, 99.1, 178.3),
+    (4, 32, True, "shared"): (0.14940, 80.5, 94.4),
+    (4, 32, False, "shared"): (0.08857, 84.1, 97.0),
+    (8, None, True, "float"): (0.00534, 97.5, 168.3),
+    (4, 32, True, "float"): (0.05061, 90.6, 94.4),
+    (4, 32, True, "int8"): (0.05215, 90.1, 262.7),
+}
+# A scheme is called lossy at a mean KLD of 0.005 nats/token (about what llama.cpp
+# measures for a whole model at Q6_K, here for one table) or below 97% same top-1.
+LOSSY_KLD = 0.005
+LOSSY_TOP1 = 97.0
 
-LOSSY_KLD = 0.01  # mean KLD (nats/token) above which a scheme is called lossy
-LOSSY_TOP1 = 97.0  # same-top-1 % below which a scheme is called lossy
+
+def _measured(bits: int, group: int | None, sym: bool, head: str) -> str:
+    m = MEASURED_GEMMA3_270M.get((bits, group, sym, head))
+    if m is None:
+        return ""
+    return f" (Gemma 3 270M: mean KLD {m[0]:.4g}, same top-1 {m[1]:.1f}%)"
 
 
 def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_head: bool = False
                   ) -> str | None:
-    """A one-line warning when ``scheme`` is one our measurements show lossy, else None.
+    """One line of warning when our measurements show ``scheme`` lossy for this kind of model.
 
-    ``scheme`` / ``head_scheme``: :class:`embedq.quantize.scheme.Scheme` of the
-    embedding table and (if it has its own) of the head table. ``config``: the
-    checkpoint's config.json dict (tie status). ``lm_head``: an untied head is quantized.
-
-    Tied models read the quantized table twice — as the gather *and* as the output
-    projection — and the projection carries most of the loss at 4 bits.
+    ``scheme`` / ``head_scheme``: :class:`embedq.quantize.scheme.Scheme` of the embedding
+    table and, when the head gets its own table (``--head-bits``, ``--lm-head``), of the
+    head. ``config``: the checkpoint's config.json (decides tied or not). Returns None when
+    the scheme is not known to be lossy. The measurements are of one tied model (Gemma 3
+    270M, whose table has a block-32 origin), so untied int8 tables get no warning.
     """
-    text = (config or {}).get("text_config") or (config or {})
-    tied = bool(text.get("tie_word_embeddings", (config or {}).get("tie_word_embeddings", True)))
-    head_is_table = (tied and head_scheme is None) or (lm_head and not tied and head_scheme is None)
-    head_bits = scheme.bits if head_is_table else (head_scheme.bits if head_scheme is not None else None)
-    notes = []
-    if head_bits == 4 or (head_is_table and scheme.bits == 4):
-        hs = head_scheme or scheme
-        m = _lookup(hs, "shared")
-        what = f"{'tied' if tied else 'quantized'} head at 4 bits"
-        num = f" (Gemma 3 270M: mean KLD {m['mean_kld']:.3f}, same top-1 {m['same_top1']:.1f}%)" if m else ""
-        alt = " keep the head at 8 bits with --head-bits 8" if tied else " leave the head float (omit --lm-head)" \
-            if head_scheme is None else ""
-        notes.append(f"{what} is lossy{num};{alt}")
-    elif scheme.bits == 4:
-        m = _lookup(scheme, "float")
-        if m is None or m["mean_kld"] > LOSSY_KLD or m["same_top1"] < LOSSY_TOP1:
-            num = f" (Gemma 3 270M, gather only: mean KLD {m['mean_kld']:.3f})" if m else ""
-            notes.append(f"4-bit embedding gather is measurably lossy{num}; run `embedq eval` before shipping")
-    elif scheme.bits == 8 and scheme.group_size is None and head_is_table:
-        m = _lookup(scheme, "shared")
-        if m is not None and (m["mean_kld"] > LOSSY_KLD or m["same_top1"] < LOSSY_TOP1):
-            notes.append(f"int8 per-row on a {'tied ' if tied else ''}head: mean KLD {m['mean_kld']:.4f}, "
-                         f"same top-1 {m['same_top1']:.1f}% on Gemma 3 270M; --group-size 32 is near-lossless")
-    return notes[0] if notes else None
-
-
-def _lookup(scheme, head: str) -> dict | None:
-    return MEASURED_GEMMA3_270M.get((scheme.bits, scheme.group_size, scheme.symmetric, head))
+    cfg = config or {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    tied = bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
+    if tied:
+        head = scheme if head_scheme is None else head_scheme
+    else:
+        head = (head_scheme or scheme) if lm_head else None
+    g = scheme.group_size
+    if head is not None and head.bits == 4:
+        where = "tied head" if tied and head_scheme is None else "quantized head"
+        m8 = MEASURED_GEMMA3_270M[(8, 32, True, "shared")]
+        mh = MEASURED_GEMMA3_270M[(4, 32, True, "int8")]
+        fix = (f"--bits 8 --group-size 32 is near-lossless ({m8[2]:.0f} MB, mean KLD {m8[0]:.2g}); a Q4 "
+               f"gather with --head-bits 8 still measures {mh[0]:.2g} at {mh[2]:.0f} MB" if tied else
+               "quantize the head at 8 bits (--head-bits 8) or leave it float")
+        return (f"4-bit {where} is lossy: the output projection reads the 4-bit table"
+                f"{_measured(4, head.group_size, head.symmetric, 'shared')}; {fix}")
+    if scheme.bits == 4:
+        extra = ""
+        if tied:
+            m8 = MEASURED_GEMMA3_270M[(8, 32, True, "shared")]
+            extra = (f"; on a tied model int8 g32 for both is smaller than a Q4 gather + int8 head "
+                     f"table and near-lossless ({m8[2]:.0f} MB, mean KLD {m8[0]:.2g})")
+        return (f"4-bit embedding gather is lossy{_measured(4, g, scheme.symmetric, 'float')}{extra}; "
+                "measure it with `embedq eval`")
+    if tied and head_scheme is None and (g is None or g > 128):
+        return (f"int8 {'per-row' if g is None else f'g{g}'} on a tied table is measurably lossy"
+                f"{_measured(8, g, scheme.symmetric, 'shared')}; --group-size 32 is near-lossless"
+                f"{_measured(8, 32, True, 'shared')} for ~6% more bytes")
+    return None
 
 
 # ``embedq.evaluate`` is both this module and the top-level API call
