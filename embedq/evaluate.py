@@ -470,7 +470,10 @@ def _config_bos(p: Path) -> int | None:
 MEASURED_GEMMA3_270M: dict[tuple, tuple[float, float, float]] = {
     (8, None, True, "shared"): (0.00673, 96.5, 168.3),
     (8, 128, True, "shared"): (0.00141, 98.1, 170.4),
+    (8, 64, True, "shared"): (0.00048, 99.1, 173.0),
     (8, 32, True, "shared"): (0.00021, 99.1, 178.3),
+    (4, 128, True, "shared"): (0.27073, 73.8, 86.5),
+    (4, 64, True, "shared"): (0.19830, 77.4, 89.1),
     (4, 32, True, "shared"): (0.14940, 80.5, 94.4),
     (4, 32, False, "shared"): (0.08857, 84.1, 97.0),
     (8, None, True, "float"): (0.00534, 97.5, 168.3),
