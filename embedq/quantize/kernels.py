@@ -21,12 +21,15 @@ same bytes.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
 import shutil
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -151,7 +154,7 @@ _disabled_reason: str | None = None
 
 def compile_enabled() -> bool:
     """Whether compiled kernels will be tried (``EMBEDQ_COMPILE=0`` turns them off)."""
-    if os.environ.get("EMBEDQ_COMPILE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if kernel_mode() == "eager":
         return False
     return _compiled is not False
 
@@ -160,6 +163,117 @@ def _have_compiler() -> bool:
     cxx = os.environ.get("CXX")
     return bool((cxx and shutil.which(cxx)) or shutil.which("g++") or shutil.which("clang++")
                 or shutil.which("c++"))
+
+
+def kernel_cache_dir() -> Path:
+    """Where ahead-of-time compiled kernels are kept (``EMBEDQ_KERNEL_CACHE``)."""
+    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("EMBEDQ_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
+
+
+def _source_fingerprint() -> str:
+    try:
+        src = inspect.getsource(fused_rtn) + inspect.getsource(_round_scale_up)
+    except (OSError, TypeError):  # pragma: no cover - no sources (zipapp)
+        from embedq import __version__ as src
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+class AotiKernels:
+    """``fused_rtn`` compiled ahead of time (AOTInductor) per shape and scheme.
+
+    The first use of a (shape, dtype, scheme) builds a package with inductor (seconds
+    to tens of seconds) into :func:`kernel_cache_dir`; every later process loads the
+    shared library directly, without importing inductor or tracing anything
+    (milliseconds), which is what makes compiling worth it for a CLI that runs once.
+    """
+
+    def __init__(self) -> None:
+        self._runners: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, x, bits, group, symmetric, scale_dtype, stats, pairs):
+        key = (tuple(x.shape), x.dtype, bits, group, symmetric, scale_dtype, stats, pairs)
+        run = self._runners.get(key)
+        if run is None:
+            with self._lock:
+                run = self._runners.get(key) or self._load(key)
+                self._runners[key] = run
+        outs = iter(run([x]))
+        packed, s = next(outs), next(outs)
+        zp = None if symmetric else next(outs)
+        ma = se = sr = None
+        if stats:
+            ma, se, sr = next(outs), next(outs), next(outs)
+        return packed, s, zp, ma, se, sr
+
+    @staticmethod
+    def package_path(key: tuple) -> Path:
+        cap = torch.backends.cpu.get_cpu_capability()
+        ident = repr((torch.__version__, cap, _source_fingerprint(), key))
+        name = hashlib.sha256(ident.encode()).hexdigest()[:24]
+        return kernel_cache_dir() / f"fused_rtn-{name}.pt2"
+
+    def _load(self, key: tuple):
+        path = self.package_path(key)
+        if not path.is_file():
+            self._build(key, path)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        return loader.run
+
+    @staticmethod
+    def _build(key: tuple, path: Path) -> None:
+        import importlib
+        inductor = importlib.import_module("torch._inductor")
+        ic = importlib.import_module("torch._inductor.config")
+        shape, dtype, *args = key
+
+        class Kernel(torch.nn.Module):
+            def forward(self, x):
+                return tuple(t for t in fused_rtn(x, *args) if t is not None)
+
+        log.info("embedq: compiling the %s kernel for %s chunks (once; cached in %s)",
+                 args, list(shape), path.parent)
+        ep = torch.export.export(Kernel(), (torch.zeros(shape, dtype=dtype),))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.pt2")
+        try:
+            # emulate_precision_casts: see _get_compiled.
+            with ic.patch(emulate_precision_casts=True), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+            os.replace(tmp, path)  # atomic: concurrent builders are harmless
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _kernel_key(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
+                scale_dtype: torch.dtype, stats: bool) -> tuple:
+    """The AotiKernels key of the kernel :func:`quantize_pack` uses for such chunks."""
+    pairs = dtype == torch.bfloat16 and scheme.bits in PAIRS_BITS
+    shape = (rows, cols // 2) if pairs else (rows, cols)
+    return (shape, torch.int32 if pairs else dtype, scheme.bits, scheme.effective_group(cols),
+            scheme.symmetric, scale_dtype, stats, pairs)
+
+
+def has_cached_kernel(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
+                      scale_dtype: torch.dtype, stats: bool = True) -> bool:
+    """Whether a compiled kernel for these chunks is already on disk (free to use)."""
+    if scheme.method != "rtn" or kernel_mode() != "aoti" or not hasattr(torch._C, "_aoti"):
+        return False
+    key = _kernel_key(rows, cols, dtype, scheme, scale_dtype, stats)
+    return AotiKernels.package_path(key).is_file()
+
+
+def kernel_mode() -> str:
+    """``aoti`` (default: ahead-of-time, cached on disk), ``jit`` (torch.compile) or ``eager``."""
+    if os.environ.get("EMBEDQ_COMPILE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "eager"
+    mode = os.environ.get("EMBEDQ_KERNEL", "aoti").strip().lower()
+    return mode if mode in ("aoti", "jit", "eager") else "aoti"
 
 
 def _get_compiled():
@@ -174,9 +288,12 @@ def _get_compiled():
             _compiled = False
             return _compiled
         try:
-            import torch._dynamo
+            if kernel_mode() == "aoti" and hasattr(torch._C, "_aoti"):
+                _compiled = AotiKernels()
+                return _compiled
+            import importlib
             # One graph per (shape, scheme, dtypes): allow more than the default 8.
-            cfg = torch._dynamo.config
+            cfg = importlib.import_module("torch._dynamo").config
             cfg.recompile_limit = max(getattr(cfg, "recompile_limit", 8), 256)
             # emulate_precision_casts: inductor otherwise drops the float32 -> bf16/fp16
             # -> float32 round trip of the scales, and round-up-to-storage-dtype
