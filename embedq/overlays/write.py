@@ -27,6 +27,7 @@ from embedq.overlays.config import QUANT_METHOD, build_config, module_entry
 from embedq.overlays.files import check_writable, write_json_atomic
 from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
 from embedq.overlays.targets import find_targets, resolve_ties
+from embedq.quantize.kernels import has_cached_kernel
 from embedq.quantize.packing import pack_zero_points, packed_zero_point_rows
 from embedq.quantize.scheme import DTYPE_NAMES, Scheme, dtype_from_name
 from embedq.quantize.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline,
@@ -148,6 +149,8 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     entries: dict[str, dict] = {}
     reports: list[ModuleReport] = []
     total = sum(p.shape[0] * p.shape[1] * torch.empty((), dtype=p.dtype).element_size() for p in plans)
+    # Build a compiled kernel only when the job is big enough to repay it; one already
+    # built (cached on disk) is always used.
     compiled = None if total >= compile_min_bytes() else False
     try:
         for p in plans:
@@ -189,9 +192,9 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     return writer, entries, reports
 
 
-# Compiling the fused kernel costs ~20 s once per machine and shape, and loading the
-# cached compile still ~3 s per process (importing inductor, tracing); it saves ~3.5 s
-# per GB of table. Below this many bytes of tables per run the eager path is faster.
+# Compiling the fused kernel costs 10-20 s once per machine, chunk shape and scheme
+# (then it is loaded from disk in milliseconds); it saves ~3.5 s per GB of table.
+# Below this many bytes of tables per run, a kernel not built yet is not worth building.
 COMPILE_MIN_BYTES = 1 << 30
 
 
@@ -216,6 +219,8 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     info = ckpt.tensor(p.tensor)
     # A table smaller than one chunk is one (padded) chunk of its own size.
     chunk_rows = min(chunk_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)
+    if compiled is False and has_cached_kernel(chunk_rows, cols, p.dtype, p.scheme, p.scale_dtype):
+        compiled = None
     packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
     zp_all = None if p.scheme.symmetric else torch.empty(
         (rows, p.scheme.groups(cols)), dtype=torch.int8)
