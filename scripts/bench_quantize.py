@@ -13,7 +13,8 @@ One run does four things (see docs/performance.md for results and how to read th
    and with a final ``fsync`` (embedq fsyncs its overlay: that is the like-for-like one).
 3. Runs ``embedq quantize DIR --lm-head`` for int8 per-row, int8 g128 and Q4 g32, each in
    a fresh process, twice: first with an empty torch.compile cache (compilation counted),
-   then with the cache that run filled. Wall time, CPU time (user+sys) and peak RSS come
+   then with the cache that run filled (``EMBEDQ_KERNEL_CACHE``/``TORCHINDUCTOR_CACHE_DIR``
+   point into a temporary folder). Wall time, CPU time (user+sys) and peak RSS come
    from ``wait4`` on the child, like ``/usr/bin/time``.
 4. Runs llm-compressor's data-free embedding recipe (``QuantizationModifier`` with a
    config group targeting ``Embedding``: W8 per channel, W4 g32; ``oneshot`` without data;
@@ -245,8 +246,11 @@ def embedq_cmd(ckpt: Path, flags: list[str], lm_head: bool) -> list[str]:
             *(["--lm-head"] if lm_head else []), "--force", "--json", "-q"]
 
 
-def run_embedq(ckpt: Path, flags: list[str], lm_head: bool, inductor_cache: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+def run_embedq(ckpt: Path, flags: list[str], lm_head: bool, inductor_cache: Path,
+               extra_env: dict | None = None) -> dict:
+    """One ``embedq quantize`` process; compiled kernels are cached under ``inductor_cache``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache / "inductor"),
+           "EMBEDQ_KERNEL_CACHE": str(inductor_cache / "kernels"), **(extra_env or {})}
     r = run_measured(embedq_cmd(ckpt, flags, lm_head), env=env)
     if r["rc"] != 0:
         raise SystemExit(f"embedq failed ({r['rc']}):\n{r['stderr'][-3000:]}")
@@ -327,12 +331,18 @@ def run_peer(work: Path, gemma: Path, repeat: int, inductor_cache: Path) -> list
                          "output_bytes": dir_bytes(out) if ok else None,
                          "stderr": "" if ok else r["stderr"][-3000:]})
             shutil.rmtree(out, ignore_errors=True)
-            log(f"embedq {label} (run {i + 1})")
-            embedq_remove(ck)
-            e = run_embedq(ck, flags, False, inductor_cache)
-            rows.append({"tool": "embedq", "scheme": label, "run": i + 1, "rc": 0,
-                         "wall_s": e["wall_s"], "cpu_s": e["cpu_s"], "peak_rss_mib": e["peak_rss_mib"],
-                         "inner_s": e["report_seconds"], "output_bytes": e["overlay_file_bytes"]})
+            # embedq three ways: no compiled kernel on disk (a job this small then runs
+            # the eager kernels), building one (forced: EMBEDQ_COMPILE_MIN_BYTES=0), and
+            # with the kernel that run left in the cache.
+            cache = inductor_cache / f"{label.replace(' ', '_')}-{i}"
+            for variant, env in (("eager", {}), ("compiled, cold cache", {"EMBEDQ_COMPILE_MIN_BYTES": "0"}),
+                                 ("compiled, cached", {})):
+                log(f"embedq {label} {variant} (run {i + 1})")
+                embedq_remove(ck)
+                e = run_embedq(ck, flags, False, cache, env)
+                rows.append({"tool": f"embedq ({variant})", "scheme": label, "run": i + 1, "rc": 0,
+                             "wall_s": e["wall_s"], "cpu_s": e["cpu_s"], "peak_rss_mib": e["peak_rss_mib"],
+                             "inner_s": e["report_seconds"], "output_bytes": e["overlay_file_bytes"]})
     embedq_remove(ck)
     return rows
 
@@ -432,7 +442,7 @@ def main() -> None:
                 by = {(r["tool"], r["scheme"], r["run"]): r for r in peer}
                 for r in peer:
                     other = by.get(("llm-compressor", r["scheme"], r["run"]))
-                    su = f"{other['wall_s'] / r['wall_s']:.1f}x" if r["tool"] == "embedq" and other and other["rc"] == 0 else ""
+                    su = f"{other['wall_s'] / r['wall_s']:.1f}x" if r["tool"].startswith("embedq") and other and other["rc"] == 0 else ""
                     mem = f"{other['peak_rss_mib'] / r['peak_rss_mib']:.1f}x" if su else ""
                     rows.append([r["tool"], r["scheme"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
                                  f"{r['peak_rss_mib']:.0f}",
