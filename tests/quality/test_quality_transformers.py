@@ -138,3 +138,22 @@ def test_auto_model_after_import_embedq_any_order(model_factory, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         assert "QuantizedEmbedding QuantizedLMHead" in r.stdout
         assert "torch.Size([1, 6])" in r.stdout
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_fast_path_is_bit_identical(bits, group, dtype):
+    g = torch.Generator().manual_seed(bits)
+    rows, cols = 300, 64
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, (rows, cols), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([lo, hi], dtype=torch.int8)
+    groups = 1 if group is None else cols // group
+    exp = torch.randint(-20, 4, (rows, groups), generator=g).float()
+    scale = (torch.rand(rows, groups, generator=g) * 2.0 ** exp).to(dtype)
+    t = QuantizedTable.from_codes(q, scale, None, bits, group)
+    pt = PackedTable(rows, cols, bits, group, True, dtype, device="cpu")
+    pt.load_from(t.packed, t.scale, torch.tensor([rows, cols]), None)
+    assert torch.equal(pt.dequantize(dtype), t.dequantize(dtype))
+    ids = torch.tensor([0, 299, 7, 7])
+    assert torch.equal(pt.dequantize_rows(ids, dtype), t.dequantize(dtype, ids))
