@@ -2,7 +2,7 @@
 """Rerun the README's quality table: ``embedq eval`` on the real Gemma 3 270M.
 
     python scripts/eval_gemma3.py                 # the README rows (~15-30 min on 2 cores)
-    python scripts/eval_gemma3.py --all           # + int8 g64, Q4 g64 / g128
+    python scripts/eval_gemma3.py --all           # + int8 g64, g32 with float32 scales, Q4 g64 / g128
     python scripts/eval_gemma3.py --rows int8-row,q4-g32 --contexts 24
 
 Each row quantizes a private copy of the checkpoint (shards hard-linked, never
@@ -36,6 +36,7 @@ ROWS = {
     "int8-g128": ("int8 g128", dict(bits=8, group_size=128), False),
     "int8-g64": ("int8 g64", dict(bits=8, group_size=64), False),
     "int8-g32": ("int8 g32", dict(bits=8, group_size=32), False),
+    "int8-g32-f32": ("int8 g32, float32 scales", dict(bits=8, group_size=32, scale_dtype="float32"), False),
     "q4-g32": ("Q4 g32 sym", dict(bits=4, group_size=32), False),
     "q4-g32-asym": ("Q4 g32 asym", dict(bits=4, group_size=32, symmetric=False), False),
     "q4-g64": ("Q4 g64 sym", dict(bits=4, group_size=64), False),
@@ -46,7 +47,7 @@ ROWS = {
 }
 DEFAULT_ROWS = ["int8-row", "int8-g128", "int8-g32", "q4-g32", "q4-g32-asym", "int8-row-gather",
                 "q4-g32-gather", "q4-g32-head8"]
-ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
+ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "int8-g32-f32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
             "int8-row-gather", "q4-g32-gather", "q4-g32-head8"]
 
 
