@@ -306,7 +306,7 @@ def check_reference(path: Path, reference: Path, qconfig: dict) -> None:
                             f"{name} was made from {e['shape']} (a different model?)")
 
 
-def load_reference(reference: Path, model_class, dtype: torch.dtype):
+def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str | None = None):
     """The float model: the checkpoint loaded with its embedq quantization_config removed."""
     import transformers
     cfg = transformers.AutoConfig.from_pretrained(str(reference))
@@ -322,12 +322,13 @@ def load_reference(reference: Path, model_class, dtype: torch.dtype):
             except AttributeError:
                 c.quantization_config = None
     with _quiet_transformers():
-        model = model_class.from_pretrained(str(reference), config=cfg, dtype=dtype)
+        model = model_class.from_pretrained(str(reference), config=cfg, dtype=dtype,
+                                            **({"device_map": device} if device else {}))
     return model.eval()
 
 
 def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = None,
-              dtype="float32", float_head: bool = False):
+              dtype="float32", float_head: bool = False, device: str | None = None):
     """(reference model, quantized model) for ``path``; see :func:`evaluate`."""
     from embedq.backends.transformers import QuantizedLMHead, load
     from embedq.overlays.reader import read_overlay_config
@@ -337,8 +338,8 @@ def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = Non
     check_reference(p, ref_path, qconfig)
     dt = _dtype(dtype)
     with _quiet_transformers():
-        quant = load(p, dtype=dt).eval()
-    ref = load_reference(ref_path, type(quant), dt)
+        quant = load(p, dtype=dt, **({"device_map": device} if device else {})).eval()
+    ref = load_reference(ref_path, type(quant), dt, device)
     if float_head:
         for name, m in list(quant.named_modules()):
             if isinstance(m, QuantizedLMHead):
@@ -408,7 +409,8 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
              contexts: int = DEFAULT_CONTEXTS, length: int = DEFAULT_LENGTH,
              reference: str | os.PathLike | None = None, dtype="float32", float_head: bool = False,
              tokens: list[int] | torch.Tensor | None = None, bos: int | None | str = "auto",
-             bootstrap: int = BOOTSTRAP_SAMPLES, seed: int = 0, progress: bool = True) -> EvalResult:
+             bootstrap: int = BOOTSTRAP_SAMPLES, seed: int = 0, progress: bool = True,
+             device: str | None = None) -> EvalResult:
     """Mean / percentile KLD, same-top-1 and Δ perplexity of the overlay at ``path``.
 
     - ``reference``: the float checkpoint (default: ``path`` itself, whose shards still
@@ -419,6 +421,7 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
       checkpoint's exact values, the quantized table is dequantized exactly).
     - ``float_head``: keep the float head in the quantized model (measures the gather only).
     - ``bos``: token id that starts every context (``"auto"``: the tokenizer's / config's).
+    - ``device``: where both models run (``"cuda"`` ...; default CPU).
     """
     t0 = time.perf_counter()
     from embedq.overlays.reader import read_overlay_config
@@ -442,7 +445,7 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
         ctx = text_contexts(tokenizer, body, contexts, length, bos)
     else:
         ctx = make_contexts(tokens, contexts, length, bos)
-    ref, quant = load_pair(p, reference, dtype, float_head)
+    ref, quant = load_pair(p, reference, dtype, float_head, device)
     stats = compare_models(ref, quant, ctx, bootstrap=bootstrap, seed=seed, progress=progress)
     del ref, quant
     return EvalResult(path=str(p), reference=str(Path(reference) if reference else p), text=desc,

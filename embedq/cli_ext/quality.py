@@ -25,13 +25,15 @@ def register(app: typer.Typer) -> None:
         float_head: bool = typer.Option(False, "--float-head", help="Keep the head float (measure the "
                                         "gather only)"),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed"),
+        device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, ... (default: CPU)"),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar"),
     ) -> None:
         """KLD of MODEL's overlay against the float model: mean, percentiles, top-1, Δppl, 95% CI."""
         from embedq.evaluate import evaluate
         r = _run(evaluate, model, text=text, contexts=contexts, length=length, reference=reference,
-                 dtype=dtype, float_head=float_head, seed=seed, progress=not (quiet or as_json))
+                 dtype=dtype, float_head=float_head, seed=seed, progress=not (quiet or as_json),
+                 device=device)
         typer.echo(r.to_json() if as_json else r.table())
 
     @app.command("plan")
