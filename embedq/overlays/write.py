@@ -162,18 +162,12 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
             bar = tqdm(total=rows, desc=f"{p.module} {p.scheme.label()}", unit="row",
                        disable=not progress, leave=False)
             try:
-                src_digest, zp = stream_module(ckpt, p, writer, out_hash, stats, cr, bar, compiled)
+                src_digest = stream_module(ckpt, p, writer, out_hash, stats, cr, bar, compiled)
             finally:
                 bar.close()
             shape_t = torch.tensor([rows, cols], dtype=torch.int64)
             writer.write(f"{p.module}.weight_shape", shape_t)
             out_hash[f"{p.module}.weight_shape"].update(shape_t.numpy().tobytes())
-            if zp is not None:
-                # Zero points are tiny (one per group); packing them along rows
-                # needs all rows, so they are collected and written at the end.
-                zp = pack_zero_points(zp, p.scheme.bits)
-                writer.write(f"{p.module}.weight_zero_point", zp)
-                out_hash[f"{p.module}.weight_zero_point"].update(zp.view(torch.uint8).numpy())
             source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], "sha256": src_digest}
             entry = module_entry(p.scheme, p.shape, DTYPE_NAMES[p.scale_dtype], source,
                                  {n: h.hexdigest() for n, h in out_hash.items()})
@@ -205,14 +199,18 @@ def compile_min_bytes() -> int:
 
 def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsWriter,
                   out_hash: dict, stats: ErrorStats, chunk_rows: int, bar=None,
-                  compiled: bool | None = None) -> tuple[str, torch.Tensor | None]:
+                  compiled: bool | None = None) -> str:
     """Quantize one planned table into ``writer``, chunk by chunk, in bounded memory.
 
     Three stages overlap (see :class:`embedq.quantize.stream.Pipeline`): the source
     rows are mapped from the shard and hashed, quantized and packed by the fused
     kernel (``compiled``: None = when available, False = the eager reference), then
-    written and hashed. Returns the source sha256 and the signed zero
-    points (asymmetric schemes only, [rows, groups] int8; written by the caller).
+    written and hashed. Returns the source's sha256.
+
+    Zero points (asymmetric) are packed along rows, ``32/bits`` rows per int32; chunks
+    are a multiple of 64 rows, so each chunk's zero points pack on their own into
+    whole rows of ``weight_zero_point`` (the last chunk padded exactly as the whole
+    tensor would be) and are written with the chunk: no full-table temporary.
     """
     rows, cols = p.shape
     path = ckpt.path / p.file
@@ -222,22 +220,25 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     if compiled is False and has_cached_kernel(chunk_rows, cols, p.dtype, p.scheme, p.scale_dtype):
         compiled = None
     packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
-    zp_all = None if p.scheme.symmetric else torch.empty(
-        (rows, p.scheme.groups(cols)), dtype=torch.int8)
+    zp_name = f"{p.module}.weight_zero_point"
+    bits = p.scheme.bits
+    assert chunk_rows % (32 // bits) == 0
 
     def compute(r0: int, x: torch.Tensor):
         packed, scale, zp, st = quantize_pack_chunk(x, p.scheme, p.scale_dtype, pad_rows=chunk_rows,
                                                     compiled=compiled)
-        if zp is not None:
-            zp_all[r0:r0 + x.shape[0]] = zp
         stats.add(*st, x.numel())
         if bar is not None:
             bar.update(x.shape[0])
-        return packed, scale
+        if zp is None:
+            return packed, scale
+        return packed, scale, pack_zero_points(zp, bits)
 
     def write(r0: int, out) -> None:
-        for name, t in ((packed_name, out[0]), (scale_name, out[1])):
-            writer.write(name, t, row=r0)
+        names = (packed_name, scale_name, zp_name)
+        rows_at = (r0, r0, r0 * bits // 32)
+        for name, t, row in zip(names, out, rows_at):
+            writer.write(name, t, row=row)
             out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
 
     try:
@@ -245,8 +246,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {p.tensor}: {e.strerror or e}") from None
     with source:
-        digest = Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None)).run()
-    return digest, zp_all
+        return Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None)).run()
 
 
 def _prod(shape) -> int:
