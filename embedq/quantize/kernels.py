@@ -12,11 +12,12 @@ scale dtype, the packed bytes, scales and zero points are **bit-identical** to t
 eager reference (``tests/perf`` checks it); only the error statistics, which are
 reported but never written to disk, may differ in the last bits of their float64 sums.
 
-Compilation happens once per process and chunk shape and is cached on disk by
-inductor (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``), so later
-runs only pay a cache lookup. Where compilation is unavailable (no C++ compiler,
-unsupported platform, ``EMBEDQ_COMPILE=0``) the same function runs eagerly: slower,
-same bytes.
+Compilation (AOTInductor, :class:`AotiKernels`) happens once per machine, chunk shape
+and scheme; the package is kept in ``~/.cache/embedq/kernels`` (``EMBEDQ_KERNEL_CACHE``)
+and later processes load its shared library in milliseconds, without importing inductor.
+``EMBEDQ_KERNEL=jit`` uses in-process ``torch.compile`` instead. Where compilation is
+unavailable (no C++ compiler, unsupported platform, ``EMBEDQ_COMPILE=0``) the eager
+reference runs: slower, same bytes.
 """
 
 from __future__ import annotations
