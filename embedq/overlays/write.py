@@ -286,6 +286,8 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                                      hg, method, scale_dtype)
     plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
                                         targets=targets, trust=trust)
+    from embedq.evaluate import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
+    advice = scheme_advice(scheme, {"tie_word_embeddings": tied}, head_scheme=head_scheme, lm_head=lm_head)
     if output is not None:
         from embedq.overlays.derived import write_derived
         report = write_derived(ckpt, plans, aliases, tied, base_qc, Path(output), force=force,
@@ -293,6 +295,7 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                                base_model=base_model, base_revision=base_revision,
                                eval_results=eval_results)
         report.seconds = time.perf_counter() - t0
+        report.warnings += [advice] if advice else []
         return report
 
     check_writable(ckpt.path)
@@ -306,7 +309,7 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
     except BaseException:
         writer.abort()
         raise
-    warnings = []
+    warnings = [advice] if advice else []
     if base_model or base_revision or eval_results is not None:
         warnings.append("--base-model/--base-revision/--eval only go into the model card, "
                         "which is written with --output; ignored")
