@@ -518,8 +518,8 @@ def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_he
         where = "tied head" if tied and head_scheme is None else "quantized head"
         m8 = MEASURED_GEMMA3_270M[(8, 32, True, "shared")]
         mh = MEASURED_GEMMA3_270M[(4, 32, True, "int8")]
-        fix = (f"--bits 8 --group-size 32 is near-lossless ({m8[2]:.0f} MB, mean KLD {m8[0]:.2g}); a Q4 "
-               f"gather with --head-bits 8 still measures {mh[0]:.2g} at {mh[2]:.0f} MB" if tied else
+        fix = (f"there --bits 8 --group-size 32 measured {m8[0]:.2g} at {m8[2]:.0f} MB and a Q4 gather with "
+               f"--head-bits 8 still {mh[0]:.2g} at {mh[2]:.0f} MB (bf16 table: 336 MB)" if tied else
                "quantize the head at 8 bits (--head-bits 8) or leave it float")
         return (f"4-bit {where} is lossy: the output projection reads the 4-bit table"
                 f"{_measured(4, head.group_size, head.symmetric, 'shared')}; {fix}")
@@ -527,8 +527,8 @@ def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_he
         extra = ""
         if tied:
             m8 = MEASURED_GEMMA3_270M[(8, 32, True, "shared")]
-            extra = (f"; on a tied model int8 g32 for both is smaller than a Q4 gather + int8 head "
-                     f"table and near-lossless ({m8[2]:.0f} MB, mean KLD {m8[0]:.2g})")
+            extra = (f"; there int8 g32 for both (mean KLD {m8[0]:.2g}, {m8[2]:.0f} MB) beat a Q4 gather "
+                     "with its own int8 head table on size and quality")
         return (f"4-bit embedding gather is lossy{_measured(4, g, scheme.symmetric, 'float')}{extra}; "
                 "measure it with `embedq eval`")
     if tied and head_scheme is None and (g is None or g > 128):
