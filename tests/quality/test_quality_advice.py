@@ -44,3 +44,15 @@ def test_warnings_agree_with_the_measurements():
         if head == "float" and bits == 8:
             continue  # untied int8 is deliberately not warned about (see scheme_advice)
         assert (a is not None) == lossy, (bits, group, sym, head)
+
+
+def test_quantize_reports_the_advice(model_factory, tmp_path):
+    import embedq
+    src = model_factory("qwen2_tied")
+    rep = embedq.quantize(src, bits=8, progress=False)
+    assert any("measurably lossy" in w for w in rep.warnings)
+    assert "warning: int8 per-row on a tied table" in rep.table()
+    rep = embedq.quantize(src, bits=8, group_size=32, force=True, progress=False)
+    assert not any("Gemma 3 270M" in w for w in rep.warnings)
+    rep = embedq.quantize(src, bits=4, output=tmp_path / "d", progress=False)
+    assert any("4-bit tied head is lossy" in w for w in rep.warnings)
