@@ -464,6 +464,9 @@ def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str
     after = _capacity(w["scheme"], w["quantized"], usable, parts["total"], layout, kvb, max_len,
                       max_num_batched_tokens)
     notes = list(layout.notes)
+    if layout.max_position_embeddings and max_len > layout.max_position_embeddings:
+        notes.append(f"--max-model-len {max_len} exceeds max_position_embeddings "
+                     f"{layout.max_position_embeddings}: vLLM refuses it unless told to override")
     if not before.starts:
         notes.append(f"with float tables a {max_len}-token request does not fit: vLLM would refuse "
                      f"--max-model-len {max_len}")
