@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from embedq.errors import EmbedqError, OverlayError
+from embedq.errors import EmbedqError
 
 DEFAULT_CONTEXTS = 12
 DEFAULT_LENGTH = 128
