@@ -35,14 +35,16 @@ from embedq.quantize.scheme import Scheme
 # Clipping ratios searched. A ratio above 1 lets the extreme land on the extra
 # negative code (-2^(b-1)) of a symmetric scheme; below 1 clips outliers.
 SYM_RATIOS = {
-    4: [0.60 + 0.02 * i for i in range(21)] + [1.0 + 1.0 / 7 * f for f in (0.25, 0.5, 0.75, 1.0)],
-    8: [0.80 + 0.01 * i for i in range(21)] + [1.0 + 1.0 / 127 * f for f in (0.5, 1.0)],
+    4: [0.60 + 0.04 * i for i in range(11)] + [1.0 + 1.0 / 7 * f for f in (0.5, 1.0)],
+    8: [0.85 + 0.015 * i for i in range(11)] + [1.0 + 1.0 / 127],
 }
 ASYM_RATIOS = {
-    4: [0.60 + 0.02 * i for i in range(21)],
-    8: [0.80 + 0.01 * i for i in range(21)],
+    4: [0.60 + 0.04 * i for i in range(11)],
+    8: [0.85 + 0.015 * i for i in range(11)],
 }
-REFINE_STEPS = 4
+REFINE_STEPS = 3
+# Rows searched at a time: keeps the search's temporaries cache-sized.
+BLOCK_ELEMENTS = 1 << 18
 # A group takes the searched result only when it beats RTN by more than this relative
 # margin: ties (and float noise) keep RTN's exact output.
 KEEP_RTN_MARGIN = 1e-7
@@ -63,7 +65,7 @@ def group_errors(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     xhat = qg * scale.float().unsqueeze(-1)
     d2 = (xhat.double() - x.double().reshape(rows, cols // group, group)) ** 2
     if weights is not None:
-        d2 = d2 * weights.double().reshape(1, cols // group, group)
+        d2 = d2 * weights.double().expand(rows, cols).reshape(rows, cols // group, group)
     return d2.sum(-1)
 
 
@@ -92,10 +94,10 @@ class _Search:
         return torch.round(self.x / s.unsqueeze(-1) + zp.unsqueeze(-1)).clamp_(self.qmin, self.qmax)
 
     def error(self, q: torch.Tensor, s: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
-        d2 = ((q - zp.unsqueeze(-1)) * s.unsqueeze(-1) - self.x).square_()
-        if self.w is not None:
-            d2 = d2 * self.w
-        return d2.sum(-1)
+        d = (q - zp.unsqueeze(-1)).mul_(s.unsqueeze(-1)).sub_(self.x)
+        if self.w is None:
+            return torch.linalg.vecdot(d, d)
+        return torch.linalg.vecdot(d, d * self.w)
 
     def offer(self, s: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
         """Evaluate candidate (storage-rounded) scales and zero points; keep improvements.
@@ -169,8 +171,8 @@ def quantize_mse(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype,
                  weights: torch.Tensor | None = None):
     """Quantize ``x`` ([rows, cols]) with error-minimizing scales (and zero points).
 
-    ``weights``: optional non-negative per-column weights ``[cols]`` of the squared
-    error (default: all ones). Returns ``(q, scale, zero_point)`` like
+    ``weights``: optional non-negative weights of the squared error, per column
+    ``[cols]`` or per element ``[rows, cols]`` (default: all ones). Returns ``(q, scale, zero_point)`` like
     :func:`~embedq.quantize.rtn.quantize_rtn`; no group's (weighted) error exceeds RTN's.
     """
     rows, cols = x.shape
@@ -180,21 +182,30 @@ def quantize_mse(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype,
     xg = xf.reshape(rows, groups, g)
     wg = None
     if weights is not None:
-        weights = weights.float().reshape(cols)
+        weights = weights.float()
+        if weights.shape not in ((cols,), (rows, cols)):
+            raise ValueError(f"weights must have shape [{cols}] or [{rows}, {cols}], "
+                             f"not {list(weights.shape)}")
         if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
             raise ValueError("weights must be finite and non-negative")
-        wg = weights.reshape(1, groups, g)
+        weights = weights.expand(rows, cols)
+        wg = weights.reshape(rows, groups, g)
 
-    st = _Search(xg, wg, scheme, scale_dtype)
-    if scheme.symmetric:
-        _search_symmetric(st, SYM_RATIOS[scheme.bits])
-    else:
-        _search_asymmetric(st, ASYM_RATIOS[scheme.bits], (1 << scheme.bits) - 1)
-
-    q = st.best_codes()
+    step = max(1, BLOCK_ELEMENTS // cols)
+    scale_f = torch.empty(rows, groups)
+    zp_f = torch.zeros(rows, groups)
+    q = torch.empty(rows, groups, g)
+    for a in range(0, rows, step):
+        st = _Search(xg[a:a + step], None if wg is None else wg[a:a + step], scheme, scale_dtype)
+        if scheme.symmetric:
+            _search_symmetric(st, SYM_RATIOS[scheme.bits])
+        else:
+            _search_asymmetric(st, ASYM_RATIOS[scheme.bits], (1 << scheme.bits) - 1)
+        scale_f[a:a + step], zp_f[a:a + step] = st.scale, st.zp
+        q[a:a + step] = st.best_codes()
     q8 = q.to(torch.int8).reshape(rows, cols)
-    scale = st.scale.to(scale_dtype)
-    zp = None if scheme.symmetric else st.zp.to(torch.int8)
+    scale = scale_f.to(scale_dtype)
+    zp = None if scheme.symmetric else zp_f.to(torch.int8)
 
     # Never worse than round-to-nearest: compare exactly as readers dequantize.
     q_r, s_r, zp_r = quantize_rtn(x, scheme, scale_dtype)
