@@ -9,6 +9,7 @@ atomically, after their originals were backed up for :func:`remove`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -274,6 +275,12 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
     ``eval_results`` (an ``embedq eval`` result dict or JSON file) go into the model
     card written with ``output``.
     """
+    if method == "gptq":  # head-aware: needs the head's inputs, measured once (quantize/headaware.py)
+        args = {k: v for k, v in locals().items() if k != "path"}
+        from embedq.quantize.headaware import active_calibration, calibrated
+        if active_calibration() is None:
+            with calibrated(path, progress=progress):
+                return quantize_checkpoint(path, **args)
     t0 = time.perf_counter()
     ckpt = Checkpoint.open(path)
     base_qc = _base_state(ckpt, force) if output is None else _derived_base_state(ckpt)
@@ -286,6 +293,10 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                                      hg, method, scale_dtype)
     plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
                                         targets=targets, trust=trust)
+    for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
+        if p.scheme.method == "gptq" and p.role != "head" and not any(
+                a.split(".")[-1] in ("lm_head", "embed_out", "output") for a in p.aliases):
+            p.scheme = dataclasses.replace(p.scheme, method="mse")
     from embedq.evaluate import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
     advice = scheme_advice(scheme, {"tie_word_embeddings": tied}, head_scheme=head_scheme, lm_head=lm_head)
     if output is not None:

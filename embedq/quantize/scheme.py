@@ -9,6 +9,9 @@ import torch
 from embedq.errors import SchemeError
 
 SUPPORTED_BITS = (4, 8)
+# rtn: round-to-nearest; mse: error-minimizing scales (quantize/mse.py); gptq: head-aware,
+# calibrated (quantize/headaware.py). All write the same overlay format.
+METHODS = ("rtn", "mse", "gptq")
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -44,8 +47,8 @@ class Scheme:
             raise SchemeError(f"--bits {self.bits} is not supported (choose 4 or 8)")
         if self.group_size is not None and (self.group_size < 8 or self.group_size % 8):
             raise SchemeError(f"--group-size {self.group_size} must be a positive multiple of 8")
-        if self.method not in ("rtn", "mse"):
-            raise SchemeError(f"--method {self.method!r} is not supported (rtn or mse)")
+        if self.method not in METHODS:
+            raise SchemeError(f"--method {self.method!r} is not supported ({', '.join(METHODS)})")
         if self.scale_dtype is not None:
             dtype_from_name(self.scale_dtype)
 

@@ -34,6 +34,9 @@ def quantize_chunk(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype):
     if scheme.method == "mse":
         from embedq.quantize.mse import quantize_mse
         return quantize_mse(x, scheme, scale_dtype)
+    if scheme.method == "gptq":
+        from embedq.quantize.headaware import quantize_gptq
+        return quantize_gptq(x, scheme, scale_dtype)
     return quantize_rtn(x, scheme, scale_dtype)
 
 
