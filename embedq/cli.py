@@ -38,7 +38,9 @@ def quantize(
     bits: int = typer.Option(8, "--bits", help="4 or 8"),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Group size (default: per row for 8-bit, 32 for 4-bit; 0 = per row)"),
     asym: bool = typer.Option(False, "--asym", help="Asymmetric (zero points)"),
-    method: str = typer.Option("rtn", "--method", help="rtn or mse"),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn (default), mse, or gptq (head-aware, calibrated); see docs/methods.md"),
+    max_kld: Optional[float] = typer.Option(None, "--max-kld", help="Choose the scheme: the smallest overlay whose KLD on a built-in sample is <= this"),
+    auto: bool = typer.Option(False, "--auto", help="--max-kld 0.01"),
     lm_head: bool = typer.Option(False, "--lm-head", help="Also quantize an untied lm_head"),
     head_bits: Optional[int] = typer.Option(None, "--head-bits"),
     head_group_size: Optional[int] = typer.Option(None, "--head-group-size"),
@@ -62,6 +64,13 @@ def quantize(
     if trust_config and trust_tensors:
         _fail(EmbedqError("--trust-config and --trust-tensors exclude each other"))
     trust = "config" if trust_config else "tensors" if trust_tensors else None
+    if auto or max_kld is not None:
+        _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_group_size, fmt,
+                       lm_head=lm_head, targets=targets.split(",") if targets else None, trust=trust,
+                       output=output, overlay_only=overlay_only, force=force, scale_dtype=scale_dtype,
+                       chunk_rows=chunk_rows, progress=not (quiet or as_json), as_json=as_json)
+        return
+    method = method or "rtn"
     kwargs = dict(group_size=group_size, symmetric=not asym, method=method, lm_head=lm_head,
                   head_bits=head_bits, head_group_size=head_group_size,
                   targets=targets.split(",") if targets else None, output=output,
@@ -77,6 +86,20 @@ def quantize(
     else:
         _fail(EmbedqError(f"--format {fmt!r}: expected embedq or compressed-tensors"))
     typer.echo(report.to_json() if as_json else report.table())
+
+
+def _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_group_size, fmt, *,
+                   as_json: bool, **kwargs) -> None:
+    """``--max-kld`` / ``--auto``: measured scheme selection (embedq/quantize/select.py)."""
+    from embedq.quantize.select import quantize_auto
+    if group_size is not None or asym or head_bits is not None or head_group_size is not None:
+        _fail(EmbedqError("--max-kld/--auto choose bits, group size and symmetry; "
+                          "drop --group-size/--asym/--head-bits/--head-group-size"))
+    if fmt != "embedq":
+        _fail(EmbedqError("--max-kld/--auto write the embedq format only"))
+    log = None if as_json else (lambda line: typer.echo(line, err=True))
+    report, sel = _run(quantize_auto, model, max_kld, method=method, log=log, **kwargs)
+    typer.echo(report.to_json() if as_json else sel.table() + "\n" + report.table())
 
 
 @app.command()
