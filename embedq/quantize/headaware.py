@@ -52,7 +52,7 @@ from embedq.quantize.scheme import Scheme
 
 DEFAULT_DAMP = 1.0
 BLOCK = 128  # columns per lazy-update block
-CALIB_CONTEXTS = 12
+CALIB_CONTEXTS = 48
 CALIB_LENGTH = 128
 
 # Standard-library modules whose docstrings make the default calibration text: present in
