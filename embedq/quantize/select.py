@@ -49,7 +49,7 @@ class Trial:
     symmetric: bool
     method: str
     overlay_bytes: int
-    mean_kld: float | None = None  # None: skipped (does not fit the table)
+    mean_kld: float | None = None  # None: not measured (does not fit, or a smaller one passed)
     same_top1: float | None = None
     seconds: float = 0.0
     note: str = ""
@@ -71,7 +71,8 @@ class Selection:
         lines = [f"auto: smallest overlay with mean KLD <= {self.max_kld:g} on {self.tokens} tokens of "
                  f"{self.sample} ({self.seconds:.0f} s)"]
         for t in self.trials:
-            kld = "skipped" if t.mean_kld is None else f"KLD {t.mean_kld:.5f}  top-1 {t.same_top1:.1f}%"
+            kld = (f"KLD {t.mean_kld:.5f}  top-1 {t.same_top1:.1f}%" if t.mean_kld is not None
+                   else "-" if t.note else "not tried (a smaller one passed)")
             mark = " <- chosen" if self.chosen is t else ""
             note = f"  ({t.note})" if t.note else ""
             lines.append(f"  {t.scheme:<22} {t.overlay_bytes / 1e6:8.1f} MB  {kld}{mark}{note}")
