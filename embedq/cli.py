@@ -97,7 +97,7 @@ def _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_gro
                           "drop --group-size/--asym/--head-bits/--head-group-size"))
     if fmt != "embedq":
         _fail(EmbedqError("--max-kld/--auto write the embedq format only"))
-    log = None if as_json else (lambda line: typer.echo(line, err=True))
+    log = (lambda line: typer.echo(line, err=True)) if kwargs.get("progress") else None
     report, sel = _run(quantize_auto, model, max_kld, method=method, log=log, **kwargs)
     typer.echo(report.to_json() if as_json else sel.table() + "\n" + report.table())
 
