@@ -244,3 +244,17 @@ def test_onnxruntime_gather_reads_mse_like_rtn(bits, group, symmetric):
         got = _ort_gather(t, idx)
         want = t.dequantize(torch.float32, rows=torch.from_numpy(idx)).numpy()
         np.testing.assert_array_equal(got, want, err_msg=method)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (8, None, False), (8, 128, True),
+                                                  (4, 32, True), (4, 32, False)])
+def test_mse_never_worse_on_the_real_gemma3_table(gemma3_270m, bits, group, symmetric):
+    from safetensors import safe_open
+    f = safe_open(str(gemma3_270m / "model.safetensors"), framework="pt")
+    x = f.get_slice("model.embed_tokens.weight")[:4096]
+    scheme = Scheme(bits=bits, symmetric=symmetric, group_size=group, method="mse")
+    e_mse = _errors(x, *quantize_mse(x, scheme, torch.bfloat16), group)
+    e_rtn = _errors(x, *quantize_rtn(x, scheme, torch.bfloat16), group)
+    assert (e_mse <= e_rtn).all()
+    assert e_mse.sum() < e_rtn.sum()
