@@ -305,16 +305,8 @@ def run_peer(work: Path, gemma: Path, repeat: int, inductor_cache: Path) -> list
     # the small files copied (config.json is edited).
     ck = work / "gemma3-270m"
     shutil.rmtree(ck, ignore_errors=True)
-    ck.mkdir(parents=True)
-    for f in gemma.iterdir():
-        if f.is_file() and not f.name.startswith("."):
-            if f.suffix == ".safetensors":
-                try:
-                    os.link(f, ck / f.name)
-                except OSError:
-                    shutil.copy2(f, ck / f.name)
-            else:
-                shutil.copy2(f, ck / f.name)
+    from embedq.overlays.files import link_checkpoint
+    link_checkpoint(gemma, ck)
     warm(table_info(ck, ["model.embed_tokens.weight"]))
     rows = []
     for label, (flags, weights) in PEER_SCHEMES.items():

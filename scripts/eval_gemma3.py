@@ -62,17 +62,8 @@ def private_copy(src: Path, dst: Path) -> Path:
     """Config and tokenizer copied, weight shards hard-linked (embedq never writes them)."""
     if dst.exists():
         shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file():
-            if f.suffix == ".safetensors":
-                try:
-                    os.link(f, dst / f.name)
-                except OSError:
-                    shutil.copy2(f, dst / f.name)
-            else:
-                shutil.copy2(f, dst / f.name)
-    return dst
+    from embedq.overlays.files import link_checkpoint
+    return link_checkpoint(src, dst)
 
 
 def machine() -> str:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -83,12 +81,5 @@ def gemma3_270m() -> Path:
 @pytest.fixture
 def gemma3_copy(gemma3_270m, tmp_path) -> Path:
     """A private copy of the real checkpoint (shards hard-linked: read-only use only)."""
-    dst = tmp_path / "gemma3-270m"
-    dst.mkdir()
-    for f in gemma3_270m.iterdir():
-        if f.is_file():
-            if f.suffix == ".safetensors":
-                os.link(f, dst / f.name)
-            else:
-                shutil.copy2(f, dst / f.name)
-    return dst
+    from embedq.overlays.files import link_checkpoint
+    return link_checkpoint(gemma3_270m, tmp_path / "gemma3-270m")

@@ -140,9 +140,9 @@ def _write_weights(ckpt: Checkpoint, stage: Path, drop: set[str], writer) -> Non
         for k, s in sizes.items():
             weight_map[k] = f
             total += s
-    for name, spec in writer._specs.items():
+    for name, size in writer.sizes.items():
         weight_map[name] = OVERLAY_NAME
-        total += spec[3]
+        total += size
     index = {"metadata": {"total_size": total},
              "weight_map": dict(sorted(weight_map.items()))}
     if ckpt.index and isinstance(ckpt.index.get("metadata"), dict):

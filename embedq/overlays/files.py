@@ -41,6 +41,21 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def link_checkpoint(src: Path, dst: Path) -> Path:
+    """A working copy of a checkpoint folder: weight shards hard-linked (embedq never
+    writes source shards), other files copied, dotfiles (embedq state) left out."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if not f.is_file() or f.name.startswith("."):
+            continue
+        if f.suffix == ".safetensors":
+            link_or_copy(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
 def check_writable(path: Path) -> None:
     """Fail early, naming the folder, if nothing can be created in it."""
     if not os.access(path, os.W_OK | os.X_OK):

@@ -11,13 +11,11 @@ from embedq.quantize.scheme import Scheme
 
 
 def _size(shape, scheme: Scheme, src_bytes: int) -> int | None:
-    rows, cols = shape
     try:
         scheme.check_shape(shape, "")
     except Exception:
         return None
-    return rows * cols * scheme.bits // 8 + rows * scheme.groups(cols) * src_bytes + 16 + (
-        0 if scheme.symmetric else -(-rows * scheme.bits // 32) * scheme.groups(cols) * 4)
+    return scheme.overlay_bytes(shape, src_bytes)
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:

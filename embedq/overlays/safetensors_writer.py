@@ -89,6 +89,11 @@ class StreamingSafetensorsWriter:
         self._written = {name: 0 for name in tensors}
         self._fd: int | None = None
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Declared tensor names and their data sizes in bytes, in file order."""
+        return {name: spec[3] for name, spec in self._specs.items()}
+
     def open(self) -> "StreamingSafetensorsWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -90,7 +90,7 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
         if INDEX_NAME in backup:
             index = json.loads(backup[INDEX_NAME])
             wm = {k: v for k, v in index["weight_map"].items() if v != OVERLAY_NAME}
-            for name in writer._specs:
+            for name in writer.sizes:
                 wm[name] = OVERLAY_NAME
             index["weight_map"] = wm
             write_json_atomic(path / INDEX_NAME, index)

@@ -75,7 +75,7 @@ def _tensors_identical(ckpt: Checkpoint, a: str, b: str) -> bool:
     ta, tb = ckpt.tensor(a), ckpt.tensor(b)
     if ta.shape != tb.shape or ta.dtype != tb.dtype:
         return False
-    step = 64 << 20
+    step = 8 << 20  # usually decided by the first block; keeps peak memory small
     with open(ckpt.path / ta.file, "rb") as fa, open(ckpt.path / tb.file, "rb") as fb:
         for off in range(0, ta.nbytes, step):
             n = min(step, ta.nbytes - off)
@@ -149,14 +149,14 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     writer.open()
     entries: dict[str, dict] = {}
     reports: list[ModuleReport] = []
-    total = sum(p.shape[0] * p.shape[1] * torch.empty((), dtype=p.dtype).element_size() for p in plans)
+    total = sum(p.shape[0] * p.shape[1] * p.dtype.itemsize for p in plans)
     # Build a compiled kernel only when the job is big enough to repay it; one already
     # built (cached on disk) is always used.
     compiled = None if total >= compile_min_bytes() else False
     try:
         for p in plans:
             rows, cols = p.shape
-            itemsize = torch.empty((), dtype=p.dtype).element_size()
+            itemsize = p.dtype.itemsize
             cr = chunk_rows or default_chunk_rows(cols, itemsize)
             out_hash = {n: hashlib.sha256() for n in p.overlay_tensors()}
             stats = ErrorStats()
@@ -175,8 +175,7 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
             entry["role"] = p.role
             entries[p.module] = entry
             before = rows * cols * itemsize
-            after = sum(torch.empty((), dtype=d).element_size() * _prod(s)
-                        for d, s in p.overlay_tensors().values())
+            after = p.scheme.overlay_bytes(p.shape, p.scale_dtype.itemsize)
             reports.append(ModuleReport(p.module, p.tensor, [rows, cols], p.scheme.label(),
                                         DTYPE_NAMES[p.dtype], before, after, stats.max_abs,
                                         stats.rms, stats.rel_rms, p.role, p.aliases))
@@ -249,12 +248,6 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     with source:
         return Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None)).run()
 
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: int | None = None,

@@ -95,6 +95,15 @@ class Scheme:
             raise SchemeError(
                 f"{name}: {cols} columns x {self.bits} bits is not a whole number of int32 words")
 
+    def overlay_bytes(self, shape: tuple[int, int], scale_bytes: int) -> int:
+        """Bytes of this table's overlay tensors (packed codes, scales, shape, zero points)."""
+        rows, cols = shape
+        groups = self.groups(cols)
+        n = rows * cols * self.bits // 8 + rows * groups * scale_bytes + 16
+        if not self.symmetric:
+            n += -(-rows * self.bits // 32) * groups * 4
+        return n
+
     def label(self) -> str:
         g = "row" if self.group_size is None else f"g{self.group_size}"
         s = "sym" if self.symmetric else "asym"

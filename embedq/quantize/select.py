@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from embedq.errors import EmbedqError
+from embedq.quantize.scheme import Scheme
 
 SAMPLE_CONTEXTS = 4
 SAMPLE_LENGTH = 128
@@ -83,12 +84,7 @@ class Selection:
 
 def overlay_bytes(shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
                   scale_bytes: int) -> int:
-    rows, cols = shape
-    groups = 1 if group_size is None else cols // group_size
-    n = rows * cols * bits // 8 + rows * groups * scale_bytes + 16
-    if not symmetric:
-        n += -(-rows * bits // 32) * groups * 4
-    return n
+    return Scheme(bits=bits, symmetric=symmetric, group_size=group_size).overlay_bytes(shape, scale_bytes)
 
 
 def _dequantized(read, shape, scheme, scale_dtype, chunk_rows: int) -> torch.Tensor:
@@ -123,7 +119,6 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
                                  text_contexts, token_stats)
     from embedq.overlays.checkpoint import Checkpoint
     from embedq.overlays.write import plan_modules
-    from embedq.quantize.scheme import Scheme
     from embedq.quantize.stream import default_chunk_rows
 
     p = Path(path)
@@ -171,7 +166,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
             except EmbedqError as e:
                 note = f"does not fit: {e}"
         total = sum(overlay_bytes(pl.shape, bits, group, sym,
-                                  torch.empty((), dtype=pl.dtype).element_size()) for pl in plans)
+                                  pl.dtype.itemsize) for pl in plans)
         sel.trials.append(Trial(label, bits, group, sym, method, total, note=note))
     sel.trials.sort(key=lambda t: t.overlay_bytes)
 
@@ -182,7 +177,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
         for pl in plans:
             s = Scheme(bits=t.bits, symmetric=t.symmetric, group_size=t.group_size, method=method_for(pl))
             sl = safe_open(str(ckpt.path / pl.file), framework="pt").get_slice(pl.tensor)
-            cr = default_chunk_rows(pl.shape[1], torch.empty((), dtype=pl.dtype).element_size())
+            cr = default_chunk_rows(pl.shape[1], pl.dtype.itemsize)
             with calibrated(cal) if s.method == "gptq" else contextlib.nullcontext():
                 w = _dequantized(lambda a, b: sl[a:b], pl.shape, s, pl.dtype, cr)
             if pl.role == "head":

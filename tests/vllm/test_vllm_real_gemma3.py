@@ -4,8 +4,6 @@ Gemma3ForCausalLM through the plugin: tied head through the shared packed table.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 
 import pytest
 import torch
@@ -33,15 +31,8 @@ def gemma3_270m():
 
 def _inplace_copy(src, dst):
     """Shards hard-linked (embedq never modifies source shards), other files copied."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name.startswith("."):
-            continue
-        if f.suffix == ".safetensors":
-            os.link(f, dst / f.name)
-        else:
-            shutil.copy2(f, dst / f.name)
-    return dst
+    from embedq.overlays.files import link_checkpoint
+    return link_checkpoint(src, dst)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
