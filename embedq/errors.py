@@ -23,3 +23,7 @@ class SchemeError(EmbedqError):
 
 class OverlayError(EmbedqError):
     """An overlay is missing, stale, half-written or does not match its source."""
+
+
+class EvalError(EmbedqError):
+    """The evaluation cannot run (no float reference, no tokenizer, text too short...)."""

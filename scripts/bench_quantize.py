@@ -76,7 +76,7 @@ def synthesize(spec: dict, root: Path) -> Path:
     """A Qwen3-style checkpoint whose only large tensors are the two vocabulary tables."""
     import torch
 
-    from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
+    from embedq.format.writer import StreamingSafetensorsWriter
     path = root / spec["name"]
     if (path / MARKER).is_file():
         return path
@@ -151,7 +151,7 @@ def synthesize(spec: dict, root: Path) -> Path:
 
 def table_info(ckpt_dir: Path, names: list[str]) -> list[tuple[Path, int, int]]:
     """``(file, byte offset, nbytes)`` of each named tensor."""
-    from embedq.overlays.checkpoint import Checkpoint
+    from embedq.format.checkpoint import Checkpoint
     ck = Checkpoint.open(ckpt_dir)
     out = []
     for n in names:
@@ -305,7 +305,7 @@ def run_peer(work: Path, gemma: Path, repeat: int, inductor_cache: Path) -> list
     # the small files copied (config.json is edited).
     ck = work / "gemma3-270m"
     shutil.rmtree(ck, ignore_errors=True)
-    from embedq.overlays.files import link_checkpoint
+    from embedq.format.files import link_checkpoint
     link_checkpoint(gemma, ck)
     warm(table_info(ck, ["model.embed_tokens.weight"]))
     rows = []

@@ -6,7 +6,7 @@
     python scripts/eval_gemma3.py --rows int8-row,q4-g32 --contexts 24
 
 Each row quantizes a private copy of the checkpoint (shards hard-linked, never
-modified) in place with plain RTN and runs :func:`embedq.evaluate` with the given
+modified) in place with plain RTN and runs :func:`embedq.quality.evaluate` with the given
 settings (defaults = ``embedq eval``'s: 12 contexts x 128 tokens of Python's
 ``pydoc_data/topics.py``, each starting with BOS, float32 compute). "gather only" rows
 evaluate the same overlay with the float head kept (``--float-head``). The checkpoint
@@ -62,7 +62,7 @@ def private_copy(src: Path, dst: Path) -> Path:
     """Config and tokenizer copied, weight shards hard-linked (embedq never writes them)."""
     if dst.exists():
         shutil.rmtree(dst)
-    from embedq.overlays.files import link_checkpoint
+    from embedq.format.files import link_checkpoint
     return link_checkpoint(src, dst)
 
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import embedq
-    from embedq.evaluate import DEFAULT_CONTEXTS, DEFAULT_LENGTH
+    from embedq.quality.evaluate import DEFAULT_CONTEXTS, DEFAULT_LENGTH
 
     names = args.rows.split(",") if args.rows else (ALL_ROWS if args.all else DEFAULT_ROWS)
     unknown = [n for n in names if n not in ROWS]
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             current = qkw
             overlay_mb = rep.bytes_after / 1e6
         t0 = time.perf_counter()
-        r = embedq.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
+        r = embedq.quality.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
                             float_head=float_head, progress=False)
         row = {"row": name, "label": label, "quantize": qkw, "float_head": float_head,
                "overlay_MB": round(overlay_mb, 1), "seconds": round(time.perf_counter() - t0, 1),

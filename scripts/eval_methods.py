@@ -7,10 +7,10 @@
 
 For every scheme row and method: quantize a private copy of the checkpoint (shards
 hard-linked, never modified) in place, load it with :func:`embedq.load` and compare it
-with the float model exactly as ``embedq eval`` does (:func:`embedq.evaluate.compare_models`;
+with the float model exactly as ``embedq eval`` does (:func:`embedq.quality.evaluate.compare_models`;
 defaults: 12 contexts x 128 tokens of Python's ``pydoc_data/topics.py``, BOS first, float32).
 The float reference is loaded once. ``gptq`` is calibrated once, on the standard-library
-docstrings (:func:`embedq.quantize.headaware.default_calibration_text`) — not the eval text.
+docstrings (:func:`embedq.quant.gptq.default_calibration_text`) — not the eval text.
 
 Ratios ``new / RTN`` are paired over contexts: the 95% CI resamples the 12 contexts
 (bootstrap, 2000 draws) and recomputes sum(KLD_new) / sum(KLD_rtn) on the same draw.
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     import embedq
-    from embedq.evaluate import (DEFAULT_CONTEXTS, DEFAULT_LENGTH, compare_models, default_text,
+    from embedq.quality.evaluate import (DEFAULT_CONTEXTS, DEFAULT_LENGTH, compare_models, default_text,
                                  load_reference, load_tokenizer, read_text, text_contexts)
-    from embedq.quantize.headaware import calibrated, collect_calibration
+    from embedq.jobs.calibration import collect_calibration
     from eval_gemma3 import gemma3_checkpoint, machine, private_copy
 
     rows = args.rows.split(",")
@@ -107,11 +107,8 @@ def main(argv=None) -> int:
         label, qkw, _ = ROWS[name]
         for m in methods:
             t0 = time.perf_counter()
-            if m == "gptq":
-                with calibrated(cal):
-                    rep = embedq.quantize(ckpt, force=True, progress=False, method=m, **qkw)
-            else:
-                rep = embedq.quantize(ckpt, force=True, progress=False, method=m, **qkw)
+            rep = embedq.quantize(ckpt, force=True, progress=False, method=m,
+                                  calibration=cal if m == "gptq" else None, **qkw)
             qs = time.perf_counter() - t0
             overlay = (ckpt / "embedq.safetensors").stat().st_size
             quant = embedq.load(ckpt, dtype=torch.float32).eval()

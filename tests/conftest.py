@@ -81,5 +81,5 @@ def gemma3_270m() -> Path:
 @pytest.fixture
 def gemma3_copy(gemma3_270m, tmp_path) -> Path:
     """A private copy of the real checkpoint (shards hard-linked: read-only use only)."""
-    from embedq.overlays.files import link_checkpoint
+    from embedq.format.files import link_checkpoint
     return link_checkpoint(gemma3_270m, tmp_path / "gemma3-270m")

@@ -164,7 +164,7 @@ def test_space_runs_out_while_committing_json(model_factory, monkeypatch):
     """A failure after the overlay was renamed rolls back to the original state."""
     path = model_factory("llama_untied_sharded")
     before = snapshot(path)
-    import embedq.overlays.state as st
+    import embedq.jobs.state as st
     real = st.write_json_atomic
     calls = []
 

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-from embedq.quantize import (QuantizedTable, Scheme, pack_int32, pack_zero_points, quantize_rtn,
-                             unpack_int32, unpack_zero_points)
-from embedq.quantize.rtn import round_scale_up
+from embedq.format.codec import (QuantizedTable, pack_int32, pack_zero_points, unpack_int32,
+                                 unpack_zero_points)
+from embedq.format.scheme import Scheme
+from embedq.quant.rtn import quantize_rtn
+from embedq.quant.rtn import round_scale_up
 
 
 @settings(max_examples=40, deadline=None)

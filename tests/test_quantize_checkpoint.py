@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import embedq
 from ckptutil import snapshot
 from embedq.errors import OverlayError, TieError
-from embedq.overlays.reader import load_overlay
+from embedq.format.reader import load_overlay
 
 
 def _source_table(path, name):

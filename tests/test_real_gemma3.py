@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import embedq
 from ckptutil import snapshot
-from embedq.overlays.reader import load_overlay
+from embedq.format.reader import load_overlay
 
 pytestmark = pytest.mark.slow
 

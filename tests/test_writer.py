@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from embedq.errors import OverlayError
-from embedq.overlays.safetensors_writer import StreamingSafetensorsWriter
+from embedq.format.writer import StreamingSafetensorsWriter
 
 
 def test_streamed_file_reads_back_with_safetensors(tmp_path):

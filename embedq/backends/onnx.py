@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from embedq.errors import EmbedqError
+from embedq.format.constants import QUANT_METHOD, is_head_name
 
 MS_DOMAIN = "com.microsoft"
 #: GatherBlockQuantized on uint8 data needs onnxruntime >= 1.23 (1.20-1.22 reject uint8);
@@ -119,7 +120,7 @@ def ort_zero_points(table, block: int) -> np.ndarray:
     blocks (dim 1), element 0 in the low nibble, rows padded to whole bytes.
     Symmetric tables get the explicit midpoint (0x88 / 128).
     """
-    from embedq.quantize.packing import pack_bytes
+    from embedq.format.codec import pack_bytes
     bits, rows, cols = table.bits, table.rows, table.cols
     g = cols if table.group_size is None else table.group_size
     nb = cols // block
@@ -257,7 +258,7 @@ def check_source(t: _Tensor, transposed: bool, entry: dict, table, where: str) -
        bfloat16 source), sampled rows lie within half a quantization step (plus the
        graph dtype's rounding) of the dequantized rows.
     """
-    from embedq.quantize.scheme import dtype_from_name
+    from embedq.format.dtypes import dtype_from_name
     src = entry.get("source") or {}
     rows, cols = entry["shape"]
     gdt = _torch_dtype(t.elem_type)
@@ -431,7 +432,7 @@ def _overlay_targets(cfg: dict) -> tuple[list[str], tuple[str, str] | None]:
         onnx_cfg = cfg.get("onnx") or {}
         for alias, owner in aliases.items():
             if (onnx_cfg.get(alias) or {}).get("op") == "MatMulNBits" or \
-                    alias.split(".")[-1] in ("lm_head", "embed_out", "output"):
+                    is_head_name(alias):
                 head = (alias, owner)
                 break
     return embeddings, head
@@ -524,9 +525,9 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
     import onnx
     from onnx import helper
 
-    from embedq import __version__
-    from embedq.overlays.config import scheme_of
-    from embedq.overlays.reader import load_overlay, read_overlay_config
+    from embedq.version import __version__
+    from embedq.format.config import scheme_of
+    from embedq.format.reader import load_overlay, read_overlay_config
 
     t0 = time.perf_counter()
     src_path, out_path, ov_path = Path(model), Path(output), Path(overlay)
@@ -889,7 +890,7 @@ def load_float_model(model_dir: str | os.PathLike, overlay: str | os.PathLike | 
     """
     import transformers as tf
 
-    from embedq.overlays.reader import load_overlay
+    from embedq.format.reader import load_overlay
     p = Path(model_dir)
     try:
         cfg = tf.AutoConfig.from_pretrained(p)
@@ -898,11 +899,11 @@ def load_float_model(model_dir: str | os.PathLike, overlay: str | os.PathLike | 
     qc = getattr(cfg, "quantization_config", None)
     if qc is not None:
         qd = qc if isinstance(qc, dict) else qc.to_dict()
-        if qd.get("quant_method") == "embedq" and qd.get("base_quantization_config"):
+        if qd.get("quant_method") == QUANT_METHOD and qd.get("base_quantization_config"):
             raise OnnxError(f"{p / 'config.json'}: the model has a base quantization "
                             f"({qd['base_quantization_config'].get('quant_method')}); "
                             "embedq onnx export handles float checkpoints only")
-        if qd.get("quant_method") != "embedq":
+        if qd.get("quant_method") != QUANT_METHOD:
             raise OnnxError(f"{p / 'config.json'}: quantized with {qd.get('quant_method')}; "
                             "embedq onnx export handles float checkpoints only")
         del cfg.quantization_config
@@ -970,8 +971,8 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
                  external_data: bool | None = None, force: bool = False,
                  opset: int | None = None, optimize: bool = True) -> OnnxReport:
     """Export ``model_dir`` (a transformers causal LM) to ONNX and patch it with its overlay."""
-    from embedq.overlays.reader import read_overlay_config
-    from embedq.quantize.scheme import dtype_from_name
+    from embedq.format.reader import read_overlay_config
+    from embedq.format.dtypes import dtype_from_name
     t0 = time.perf_counter()
     mdir, out = Path(model_dir), Path(output)
     ov_dir = Path(overlay) if overlay is not None else mdir
@@ -997,7 +998,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
 
 def _estimate_patched(fpath: Path, ov_dir: Path) -> int:
     """Rough size of the patched model: the float file minus the quantized tables' savings."""
-    from embedq.overlays.reader import read_overlay_config
+    from embedq.format.reader import read_overlay_config
     size = sum(f.stat().st_size for f in fpath.parent.iterdir())
     cfg = read_overlay_config(ov_dir)
     for e in cfg["modules"].values():

@@ -11,10 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedq.errors import SchemeError
-from embedq.quantize import QuantizedTable, Scheme, quantize_rtn
-from embedq.quantize.headaware import Calibration, calibrated, quantize_gptq
-from embedq.quantize.mse import quantize_mse
-from embedq.quantize.rtn import dequantize_codes
+from embedq.format.codec import QuantizedTable
+from embedq.format.scheme import Scheme
+from embedq.quant.rtn import quantize_rtn
+from embedq.quant.gptq import Calibration, quantize_gptq
+from embedq.quant.mse import quantize_mse
+from embedq.format.codec import dequantize_codes
 
 from tests.methods.test_mse import _ct_decompress, _data, _ort_gather
 
@@ -89,8 +91,7 @@ def test_gptq_output_reads_back_like_rtn(bits, group, symmetric):
     torch.manual_seed(bits)
     x = (torch.randn(96, 256) * torch.rand(96, 1)).to(torch.bfloat16)
     scheme = Scheme(bits=bits, symmetric=symmetric, group_size=group, method="gptq")
-    with calibrated(Calibration(_spd(256, 3), damp=0.1)):
-        q, s, zp = quantize_gptq(x, scheme, torch.bfloat16)
+    q, s, zp = quantize_gptq(x, scheme, torch.bfloat16, Calibration(_spd(256, 3), damp=0.1))
     t = QuantizedTable.from_codes(q, s, zp, bits, group)
     assert torch.equal(_ct_decompress(t, scheme), t.dequantize(torch.bfloat16))
     idx = np.array([0, 7, 95, 7], dtype=np.int64)

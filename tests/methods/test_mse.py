@@ -8,10 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedq.quantize import QuantizedTable, Scheme, quantize_rtn
-from embedq.quantize.mse import quantize_mse
-from embedq.quantize.rtn import dequantize_codes
-from embedq.quantize.stream import quantize_chunk
+from embedq.format.codec import QuantizedTable
+from embedq.format.scheme import Scheme
+from embedq.quant.rtn import quantize_rtn
+from embedq.quant.mse import quantize_mse
+from embedq.format.codec import dequantize_codes
+from embedq.quant.stream import quantize_chunk
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

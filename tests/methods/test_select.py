@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from embedq.quantize.select import (CANDIDATES, SelectError, overlay_bytes, quantize_auto,
+from embedq.quality.select import (CANDIDATES, SelectError, overlay_bytes, quantize_auto,
                                     select_scheme)
 from tests.methods.test_headaware import _tokenizer
 

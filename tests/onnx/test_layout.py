@@ -11,10 +11,10 @@ from onnx import helper, numpy_helper
 
 from embedq.backends.onnx import (OnnxError, onnx_block_size, ort_scales, ort_weight_bytes,
                                   ort_zero_points, patch_model)
-from embedq.quantize.packing import pack_zero_points, unpack_zero_points
-from embedq.quantize.rtn import quantize_rtn
-from embedq.quantize.scheme import Scheme
-from embedq.quantize.tensor import QuantizedTable
+from embedq.format.codec import pack_zero_points, unpack_zero_points
+from embedq.quant.rtn import quantize_rtn
+from embedq.format.scheme import Scheme
+from embedq.format.codec import QuantizedTable
 
 
 @pytest.mark.parametrize("bits,group,cols,block", [
@@ -23,7 +23,7 @@ from embedq.quantize.tensor import QuantizedTable
 def test_block_size(bits, group, cols, block):
     assert onnx_block_size(bits, group, cols) == block
     # quantization_config.json's "onnx" section promises the same block
-    from embedq.overlays.config import onnx_block_size as config_block
+    from embedq.format.config import onnx_block_size as config_block
     assert config_block(Scheme(bits=bits, group_size=group), cols) == block
 
 
@@ -31,7 +31,7 @@ def test_block_size(bits, group, cols, block):
 def test_block_size_refuses_small_blocks(group, cols):
     with pytest.raises(OnnxError, match="power-of-two block >= 16"):
         onnx_block_size(8, group, cols)
-    from embedq.overlays.config import onnx_block_size as config_block
+    from embedq.format.config import onnx_block_size as config_block
     assert config_block(Scheme(bits=8, group_size=group), cols) is None
 
 

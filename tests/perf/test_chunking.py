@@ -14,11 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import embedq
-from embedq.quantize import kernels
-from embedq.quantize.packing import pack_int32, pack_zero_points
-from embedq.quantize.rtn import quantize_rtn
-from embedq.quantize.scheme import Scheme
-from embedq.quantize.stream import ErrorStats, MappedRows, Pipeline, quantize_pack_chunk
+from embedq.quant import kernels
+from embedq.format.codec import pack_int32, pack_zero_points
+from embedq.quant.rtn import quantize_rtn
+from embedq.format.scheme import Scheme
+from embedq.quant.stream import ErrorStats, MappedRows, Pipeline, quantize_pack_chunk
 from .test_kernels import table
 
 SCHEMES = [(b, g, s) for b, g, s in itertools.product((4, 8), (None, 32, 128), (True, False))]

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from embedq.quantize import kernels
-from embedq.quantize.packing import pack_int32
-from embedq.quantize.rtn import quantize_rtn
-from embedq.quantize.scheme import Scheme
+from embedq.quant import kernels
+from embedq.format.codec import pack_int32
+from embedq.quant.rtn import quantize_rtn
+from embedq.format.scheme import Scheme
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 SCHEMES = [(b, g, s) for b, g, s in itertools.product((4, 8), (None, 32, 128), (True, False))]

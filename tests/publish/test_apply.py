@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import embedq
 from embedq.cli import app
 from embedq.errors import OverlayError
-from embedq.overlays.checkpoint import Checkpoint
+from embedq.format.checkpoint import Checkpoint
 
 from pubutil import derive, snapshot  # noqa: F401 (fixture)
 

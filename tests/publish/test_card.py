@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import embedq
 from embedq.cli import app
-from embedq.overlays.card import (CardError, infer_base, read_stored, refresh_card,
+from embedq.jobs.card import (CardError, infer_base, read_stored, refresh_card,
                                   validate_metadata)
 
 from pubutil import derive  # noqa: F401 (fixture)
@@ -253,7 +253,7 @@ def test_quantize_cli_card_options(model_factory, tmp_path):
     assert r.exit_code == 0 and "only go into the model card" in r.output
 
 
-EVAL_RESULT = {  # the fields of embedq.evaluate.EvalResult.to_dict()
+EVAL_RESULT = {  # the fields of embedq.quality.evaluate.EvalResult.to_dict()
     "path": "/home/someone/models/qwen-q", "reference": "/home/someone/models/qwen",
     "text": "pydoc_data/topics.py", "contexts": 12, "length": 128, "tokens": 1524,
     "dtype": "float32", "modules": {"model.embed_tokens": "int8 row sym", "lm_head": "int8 row sym"},
@@ -281,7 +281,7 @@ def test_embedq_eval_result_rendered(derive):
 
 
 def test_eval_result_object_rendered(derive):
-    evaluate = pytest.importorskip("embedq.evaluate")
+    evaluate = pytest.importorskip("embedq.quality.evaluate")
     fields = set(evaluate.EvalResult.__dataclass_fields__)
     assert fields <= set(EVAL_RESULT), fields - set(EVAL_RESULT)  # the fixture above is current
     res = evaluate.EvalResult(**{k: EVAL_RESULT[k] for k in fields})

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import embedq
 from embedq.cli import app
 from embedq.errors import EmbedqError
-from embedq.publish import PublishError, push, select_files
+from embedq.hub.push import PublishError, push, select_files
 
 from fakehub import FakeHub
 from pubutil import derive, fake_hub, hub_env, snapshot  # noqa: F401 (fixtures)

@@ -24,7 +24,7 @@ def dequantized_reference(source: Path, overlay: Path, model_class, dtype=torch.
     """The float model of ``source`` whose target weights are replaced by the overlay's
     dequantized tables (each module gets its own parameter: a head with its own table
     is untied from the embedding)."""
-    from embedq.evaluate import load_reference
+    from embedq.quality.evaluate import load_reference
     ov = embedq.load_overlay(overlay)
     ref = load_reference(Path(source), model_class, dtype)  # float: embedq config stripped
     with torch.no_grad():
@@ -40,7 +40,7 @@ def add_tokenizer(folder: Path, vocab_size: int, bos: str = "<bos>") -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from embedq.evaluate import default_text
+    from embedq.quality.evaluate import default_text
     text, _ = default_text()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from embedq.evaluate import LOSSY_KLD, LOSSY_TOP1, MEASURED_GEMMA3_270M, scheme_advice
-from embedq.quantize.scheme import Scheme
+from embedq.jobs.advice import LOSSY_KLD, LOSSY_TOP1, MEASURED_GEMMA3_270M, scheme_advice
+from embedq.format.scheme import Scheme
 
 TIED = {"tie_word_embeddings": True}
 UNTIED = {"tie_word_embeddings": False}

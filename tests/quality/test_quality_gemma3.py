@@ -38,7 +38,7 @@ def test_gemma3_loads_generates_and_equals_dequantized_reference(gemma3_copy):
 def test_gemma3_eval_defaults_int8_row(gemma3_copy):
     embedq.quantize(gemma3_copy, bits=8, progress=False)
     t0 = time.perf_counter()
-    r = embedq.evaluate(gemma3_copy, progress=False)
+    r = embedq.quality.evaluate(gemma3_copy, progress=False)
     took = time.perf_counter() - t0
     print(f"\n{r}\n({took:.0f} s)")
     assert took < 300  # the budget for the defaults on 2 CPU cores
@@ -52,7 +52,7 @@ def test_gemma3_eval_defaults_int8_row(gemma3_copy):
 
 def test_gemma3_plan_weights_and_kv(gemma3_copy):
     embedq.quantize(gemma3_copy, bits=8, progress=False)
-    r = embedq.plan(gemma3_copy, "16GiB", kv_dtype="bf16", max_model_len=32768)
+    r = embedq.capacity.plan(gemma3_copy, "16GiB", kv_dtype="bf16", max_model_len=32768)
     saved = 262144 * 640 * 2 - overlay_tensor_bytes(gemma3_copy)
     assert r.before.weights - r.after.weights == saved
     lay = r.layout

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import embedq
 from embedq.cli import app
-from embedq.plan import PlanError, kv_layout, parse_bytes
+from embedq.capacity.plan import PlanError, kv_layout, parse_bytes
 from qualutil import overlay_tensor_bytes
 
 GiB = 1 << 30
@@ -34,7 +34,7 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidd
 def test_llama_style_plan_by_hand(tmp_path):
     ck = _checkpoint(tmp_path / "llama", LLAMA, {"model.embed_tokens.weight": (1024, 256),
                                                  "model.layers.0.mlp.down_proj.weight": (256, 2048)})
-    r = embedq.plan(ck, "10GiB", kv_dtype="bf16", max_model_len=8192, reserve="1GiB")
+    r = embedq.capacity.plan(ck, "10GiB", kv_dtype="bf16", max_model_len=8192, reserve="1GiB")
     per_token = 2 * 8 * 128 * 2 * 32  # K and V x kv heads x head dim x bf16 x layers = 131072
     assert sum(r.per_token_bytes.values()) == per_token
     usable = int(10 * GiB * 0.9)
@@ -54,7 +54,7 @@ def test_llama_style_plan_by_hand(tmp_path):
         (usable - w_int8 - GiB) // per_token - (usable - w_float - GiB) // per_token
     assert r.scheme == "int8 row sym" and r.overlay_source.startswith("estimate")
     # fp8 KV halves the per-token bytes
-    r8 = embedq.plan(ck, "10GiB", kv_dtype="fp8", max_model_len=8192, reserve="1GiB")
+    r8 = embedq.capacity.plan(ck, "10GiB", kv_dtype="fp8", max_model_len=8192, reserve="1GiB")
     assert r8.before.kv_tokens == (usable - w_float - GiB) // (per_token // 2)
 
 
@@ -65,7 +65,7 @@ def test_sliding_window_plan_by_hand(tmp_path):
            "intermediate_size": 2048, "vocab_size": 4096, "max_position_embeddings": 32768,
            "tie_word_embeddings": True, "dtype": "bfloat16"}
     ck = _checkpoint(tmp_path / "gemma", cfg, {"model.embed_tokens.weight": (4096, 640)})
-    r = embedq.plan(ck, "4GiB", kv_dtype="bf16", max_model_len=32768, reserve="1GiB",
+    r = embedq.capacity.plan(ck, "4GiB", kv_dtype="bf16", max_model_len=32768, reserve="1GiB",
                     max_num_batched_tokens=8192)
     lay = r.layout
     assert (lay["full_layers"], lay["sliding_layers"], lay["sliding_window"]) == (1, 5, 512)
@@ -78,11 +78,11 @@ def test_sliding_window_plan_by_hand(tmp_path):
     assert r.before.budget == budget
     assert r.before.kv_tokens == int(budget / per_seq * 32768)
     # short requests: every layer holds every token
-    r2 = embedq.plan(ck, "4GiB", kv_dtype="bf16", max_model_len=4096, reserve="1GiB")
+    r2 = embedq.capacity.plan(ck, "4GiB", kv_dtype="bf16", max_model_len=4096, reserve="1GiB")
     assert r2.before.per_seq == 4096 * per_layer * 6
     # max context that starts: all of max_position_embeddings fits on 4 GiB
     assert r.before.max_context == 32768
-    tiny = embedq.plan(ck, "1.19GiB", kv_dtype="bf16", max_model_len=32768, reserve="1GiB")
+    tiny = embedq.capacity.plan(ck, "1.19GiB", kv_dtype="bf16", max_model_len=32768, reserve="1GiB")
     b = tiny.before.budget
     # solve 1024 * ceil16(T) + 5 * 1024 * 8704 <= b for T beyond the sliding cap
     expect = (b - 5 * per_layer * swa_tokens) // per_layer // 16 * 16
@@ -128,9 +128,9 @@ def test_linear_attention_and_mla_layouts():
 
 def test_plan_uses_the_overlay_on_disk(model_factory):
     src = model_factory("qwen2_tied")
-    before = embedq.plan(src, "1GiB", reserve="0.25GiB", max_model_len=1024)
+    before = embedq.capacity.plan(src, "1GiB", reserve="0.25GiB", max_model_len=1024)
     embedq.quantize(src, bits=4, progress=False)
-    r = embedq.plan(src, "1GiB", reserve="0.25GiB", max_model_len=1024)
+    r = embedq.capacity.plan(src, "1GiB", reserve="0.25GiB", max_model_len=1024)
     table = 512 * 64 * 2
     assert r.before.weights == before.before.weights
     assert r.before.weights - r.after.weights == table - overlay_tensor_bytes(src)
@@ -154,7 +154,7 @@ def test_cli_plan_json_matches_api(model_factory):
                                    "--max-model-len", "4096", "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    api = embedq.plan(src, "2GiB", kv_dtype="fp8", max_model_len=4096)
+    api = embedq.capacity.plan(src, "2GiB", kv_dtype="fp8", max_model_len=4096)
     assert d["before"]["kv_tokens"] == api.before.kv_tokens
     assert d["after"]["kv_tokens"] == api.after.kv_tokens
     assert d["extra_kv_tokens"] == api.extra_tokens and d["kv_bytes"] == 1

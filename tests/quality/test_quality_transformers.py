@@ -14,7 +14,9 @@ import embedq
 from embedq.backends.transformers import (PackedTable, QuantizedEmbedding, QuantizedLMHead,
                                           quantized_modules, quantized_nbytes)
 from embedq.errors import OverlayError
-from embedq.quantize import QuantizedTable, Scheme, quantize_rtn
+from embedq.format.codec import QuantizedTable
+from embedq.format.scheme import Scheme
+from embedq.quant.rtn import quantize_rtn
 from qualutil import dequantized_reference, overlay_tensor_bytes
 
 IDS = torch.tensor([[1, 5, 7, 9, 11, 200, 3, 4, 5, 6, 7, 8, 9, 10, 250, 2]])

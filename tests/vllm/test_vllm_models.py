@@ -10,7 +10,7 @@ import torch
 
 from _harness import load_model, param_bytes, reference, vocab_layers
 
-import embedq.backends.vllm as ev
+import _ev as ev
 
 ev.register()
 
@@ -271,7 +271,7 @@ def test_compressed_tensors_format_loads_in_stock_vllm(builder, tmp_path):
     """``--format compressed-tensors`` (untied, symmetric): vLLM's own compressed-tensors
     method, no embedq code, loads the overlay bytes. (Its embedding forward is Triton-only
     and its WNA16 head needs vLLM's CPU or GPU kernels, so only loading is checked on CPU.)"""
-    from embedq.overlays.compressed_tensors import quantize_compressed_tensors
+    from embedq.jobs.compressed_tensors import quantize_compressed_tensors
     out = tmp_path / "ct"
     quantize_compressed_tensors(str(builder.pristine("llama")), 8, output=str(out),
                                 lm_head=True, head_bits=4, head_group_size=32, progress=False)

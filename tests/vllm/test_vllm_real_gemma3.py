@@ -11,7 +11,7 @@ import torch
 from _harness import REPO, load_model, param_bytes, reference, vocab_layers
 
 import embedq
-import embedq.backends.vllm as ev
+import _ev as ev
 
 ev.register()
 
@@ -31,7 +31,7 @@ def gemma3_270m():
 
 def _inplace_copy(src, dst):
     """Shards hard-linked (embedq never modifies source shards), other files copied."""
-    from embedq.overlays.files import link_checkpoint
+    from embedq.format.files import link_checkpoint
     return link_checkpoint(src, dst)
 
 

@@ -14,7 +14,7 @@ import torch
 from _harness import free_port, load_model, vocab_layers
 
 import embedq
-import embedq.backends.vllm as ev
+import _ev as ev
 
 HERE = Path(__file__).resolve().parent
 

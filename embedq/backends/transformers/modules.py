@@ -1,0 +1,354 @@
+"""The quantized modules transformers models get: :class:`PackedTable`, :class:`QuantizedEmbedding`,
+:class:`QuantizedLMHead`, and the mapping of overlay modules onto a model's module tree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from embedq.errors import OverlayError
+from embedq.format.codec import dequantize_rows as codec_dequantize_rows
+from embedq.format.codec import zero_points_of
+from embedq.format.config import scheme_of, validate_config
+from embedq.format.constants import HEAD_NAMES, OVERLAY_FORMAT, OVERLAY_SUFFIXES, QUANT_METHOD
+from embedq.format.dtypes import dtype_from_name
+from embedq.format.reader import load_overlay, read_overlay_config
+
+# Dequantize about this many bytes of float32 table at a time in the head.
+HEAD_CHUNK_BYTES = 32 << 20
+
+
+# ---------------------------------------------------------------------------------------
+# modules
+
+
+class PackedTable(nn.Module):
+    """One quantized table, in the overlay's on-disk layout (buffers, non-persistent).
+
+    ``weight_zero_point`` stays packed along rows (compressed-tensors layout) and is
+    unpacked only for the rows being dequantized, so the module's memory equals the
+    overlay's tensor bytes.
+    """
+
+    def __init__(self, rows: int, cols: int, bits: int, group_size: int | None, symmetric: bool,
+                 scale_dtype: torch.dtype, device: torch.device | str | None = "meta"):
+        super().__init__()
+        if bits not in (4, 8):
+            raise OverlayError(f"unsupported num_bits {bits}")
+        self.rows, self.cols, self.bits = rows, cols, bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        groups = 1 if group_size is None else cols // group_size
+        self.groups = groups
+        kw = dict(device=device)
+        self.register_buffer("weight_packed", torch.empty(rows, cols * bits // 32, dtype=torch.int32, **kw),
+                             persistent=False)
+        self.register_buffer("weight_scale", torch.empty(rows, groups, dtype=scale_dtype, **kw),
+                             persistent=False)
+        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64, **kw), persistent=False)
+        if not symmetric:
+            zp_rows = -(-rows * bits // 32)
+            self.register_buffer("weight_zero_point", torch.empty(zp_rows, groups, dtype=torch.int32, **kw),
+                                 persistent=False)
+        else:
+            self.weight_zero_point = None
+
+    @classmethod
+    def from_entry(cls, entry: dict, device="meta") -> "PackedTable":
+        s = scheme_of(entry)
+        rows, cols = (int(x) for x in entry["shape"])
+        scale_dtype = dtype_from_name(entry.get("scale_dtype") or "bfloat16")
+        return cls(rows, cols, s.bits, s.group_size, s.symmetric, scale_dtype, device)
+
+    def extra_repr(self) -> str:
+        g = "row" if self.group_size is None else f"g{self.group_size}"
+        return (f"rows={self.rows}, cols={self.cols}, bits={self.bits}, {g}, "
+                f"{'sym' if self.symmetric else 'asym'}, scale={self.weight_scale.dtype}")
+
+    # -- memory -----------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (equals the overlay's tensor bytes for this table)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # -- loading ----------------------------------------------------------------------
+    @torch.no_grad()
+    def load_from(self, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
+                  zero_point_packed: torch.Tensor | None) -> None:
+        """Copy overlay tensors into the buffers (allocating them off the meta device)."""
+        pairs = [("weight_packed", packed), ("weight_scale", scale), ("weight_shape", shape)]
+        if not self.symmetric:
+            if zero_point_packed is None:
+                raise OverlayError("asymmetric table without weight_zero_point")
+            pairs.append(("weight_zero_point", zero_point_packed))
+        for name, src in pairs:
+            buf = getattr(self, name)
+            if tuple(buf.shape) != tuple(src.shape):
+                raise OverlayError(f"{name}: overlay tensor has shape {list(src.shape)}, "
+                                   f"expected {list(buf.shape)}")
+            device = buf.device if buf.device.type != "meta" else torch.device("cpu")
+            if buf.device.type == "meta" or buf.dtype != src.dtype:
+                setattr(self, name, src.to(device=device, dtype=buf.dtype).contiguous())
+            else:
+                buf.copy_(src)
+
+    # -- dequantization (through the one codec) ---------------------------------------
+    def _dequant(self, packed: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+        zp = None if self.symmetric else zero_points_of(self.weight_zero_point, self.bits, ids)
+        return codec_dequantize_rows(packed, scale, zp, self.bits, self.cols, dtype)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows ``ids`` (1-D long) as ``[n, cols]`` in ``dtype``.
+
+        Same arithmetic as the quantizer's contract: ``(u - zp) * scale`` in float32,
+        with ``zp = 2^(bits-1)`` when symmetric, then cast to ``dtype``.
+        """
+        return self._dequant(self.weight_packed[ids], self.weight_scale[ids], ids, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, end: int | None = None
+                   ) -> torch.Tensor:
+        """Rows ``start:end`` of the table (the whole table by default) in ``dtype``."""
+        end = self.rows if end is None else end
+        ids = None if self.symmetric else torch.arange(start, end, device=self.weight_packed.device)
+        return self._dequant(self.weight_packed[start:end], self.weight_scale[start:end], ids, dtype)
+
+
+def _scale_spec(original: nn.Module | None) -> tuple[str, float] | None:
+    """How an original (scaled) embedding multiplies its output, to reproduce it exactly.
+
+    Gemma-style modules keep a float32 buffer and multiply by ``embed_scale.to(dtype)``
+    (``scalar_embed_scale`` holds the value); BART-style ones multiply by a Python float.
+    """
+    if original is None:
+        return None
+    v = getattr(original, "scalar_embed_scale", None)
+    if isinstance(v, (int, float)):
+        return ("tensor", float(v))
+    v = getattr(original, "embed_scale", None)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return ("float", float(v))
+    return None
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding reading a :class:`PackedTable`: gathers and dequantizes looked-up rows only.
+
+    The output dtype follows the model's dtype (a zero-size float buffer tracks
+    ``model.to(dtype)``). A Gemma-style ``embed_scale`` of the replaced module is kept and
+    applied exactly as the original does.
+    """
+
+    def __init__(self, table: PackedTable, dtype: torch.dtype = torch.bfloat16,
+                 embed_scale: tuple[str, float] | None = None, padding_idx: int | None = None,
+                 device="meta"):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.rows, table.cols
+        self.padding_idx = padding_idx
+        self.embed_scale_spec = embed_scale
+        if embed_scale is not None:
+            self.scalar_embed_scale = embed_scale[1]
+        self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype_probe.dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype
+        flat = input_ids.reshape(-1)
+        out = self.table.dequantize_rows(flat, dtype).view(*input_ids.shape, self.embedding_dim)
+        spec = self.embed_scale_spec
+        if spec is not None:
+            kind, value = spec
+            if kind == "tensor":
+                out = out * torch.tensor(value, dtype=torch.float32, device=out.device).to(dtype)
+            else:
+                out = out * value
+        return out
+
+    def extra_repr(self) -> str:
+        es = "" if self.embed_scale_spec is None else f", embed_scale={self.embed_scale_spec[1]:g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{es}"
+
+
+class QuantizedLMHead(nn.Module):
+    """Output projection reading a :class:`PackedTable` (possibly the embedding's).
+
+    Logits are computed ``chunk_rows`` vocabulary rows at a time: each chunk is
+    dequantized to the activation dtype, multiplied, and dropped.
+    """
+
+    def __init__(self, table: PackedTable, bias: nn.Parameter | None = None,
+                 chunk_rows: int | None = None):
+        super().__init__()
+        self.table = table
+        self.in_features, self.out_features = table.cols, table.rows
+        self.bias = bias
+        self.chunk_rows = chunk_rows or max(256, HEAD_CHUNK_BYTES // (4 * table.cols))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        rows = self.table.rows
+        out = torch.empty(*hidden.shape[:-1], rows, dtype=dtype, device=hidden.device)
+        step = self.chunk_rows
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            w = self.table.dequantize(dtype, a, b)
+            bias = None if self.bias is None else self.bias[a:b].to(dtype)
+            out[..., a:b] = nn.functional.linear(hidden, w, bias)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, chunk_rows={self.chunk_rows}"
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Name -> :class:`QuantizedEmbedding` / :class:`QuantizedLMHead` in ``model``."""
+    return {n: m for n, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, (QuantizedEmbedding, QuantizedLMHead))}
+
+
+def quantized_nbytes(model: nn.Module) -> int:
+    """Bytes held by the model's quantized tables (each shared table counted once)."""
+    seen, total = set(), 0
+    for m in quantized_modules(model).values():
+        if id(m.table) not in seen:
+            seen.add(id(m.table))
+            total += m.table.nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# mapping overlay module names (checkpoint layout) to the model's module tree
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _io_module(model, which: str) -> tuple[str, nn.Module] | None:
+    fn = getattr(model, "get_input_embeddings" if which == "in" else "get_output_embeddings", None)
+    if fn is None:
+        return None
+    try:
+        mod = fn()
+    except (NotImplementedError, AttributeError):
+        return None
+    if mod is None:
+        return None
+    for n, m in model.named_modules():
+        if m is mod:
+            return n, m
+    return None
+
+
+def _by_suffix(model: nn.Module, name: str) -> tuple[str, nn.Module] | None:
+    parts = name.split(".")
+    names = [n for n, _ in model.named_modules()]
+    for k in range(len(parts), 0, -1):
+        suffix = ".".join(parts[-k:])
+        hits = [n for n in names if n == suffix or n.endswith("." + suffix)]
+        if len(hits) == 1:
+            return hits[0], model.get_submodule(hits[0])
+        if len(hits) > 1:
+            break
+    return None
+
+
+def resolve_targets(model: nn.Module, qconfig: dict) -> dict[str, tuple[str, str]]:
+    """Map every overlay module and alias to a module of ``model``.
+
+    Returns ``{model_module_name: (owner_table, role)}`` where ``role`` is
+    ``embedding`` or ``head``. Names are matched exactly first; the checkpoint may use
+    another layout than the module tree (``language_model.model.embed_tokens`` vs
+    ``model.language_model.embed_tokens``), so the model's input / output embeddings
+    and then unique name suffixes are used as fallbacks. MTP / draft modules the
+    model does not have are skipped.
+    """
+    modules = qconfig["modules"]
+    aliases = qconfig.get("aliases") or {}
+    wanted: list[tuple[str, str, str]] = []  # (overlay name, owner, role)
+    for name, e in modules.items():
+        role = e.get("role") or ("head" if name.split(".")[-1] in HEAD_NAMES else "embedding")
+        wanted.append((name, name, "head" if role == "head" else ("mtp" if role == "mtp" else "embedding")))
+    for alias, owner in aliases.items():
+        role = "head" if alias.split(".")[-1] in HEAD_NAMES else "mtp"
+        wanted.append((alias, owner, role))
+    io_in, io_out = _io_module(model, "in"), _io_module(model, "out")
+    out: dict[str, tuple[str, str]] = {}
+    for name, owner, role in wanted:
+        hit = (name, _get(model, name)) if _get(model, name) is not None else None
+        if hit is None and role == "embedding":
+            hit = io_in
+        if hit is None and role == "head":
+            hit = io_out
+        if hit is None:
+            hit = _by_suffix(model, name)
+        if hit is None:
+            if role == "mtp":
+                continue  # the model class has no such module (e.g. MTP layers not built)
+            raise OverlayError(f"quantization_config.json: module {name} not found in "
+                               f"{type(model).__name__}")
+        mname, mod = hit
+        kind = "head" if role == "head" else "embedding"
+        if kind == "embedding" and not isinstance(mod, nn.Embedding):
+            raise OverlayError(f"quantization_config.json: {name} maps to {mname}, a "
+                               f"{type(mod).__name__}, not an embedding")
+        if kind == "head" and not isinstance(mod, nn.Linear):
+            raise OverlayError(f"quantization_config.json: {name} maps to {mname}, a "
+                               f"{type(mod).__name__}, not a linear head")
+        out[mname] = (owner, kind)
+    return out
+
+
+def replace_modules(model: nn.Module, qconfig: dict, dtype: torch.dtype, device="meta"
+                    ) -> dict[str, PackedTable]:
+    """Swap the targets for quantized modules (empty tables); return owner -> table."""
+    targets = resolve_targets(model, qconfig)
+    tables: dict[str, PackedTable] = {}
+    for owner in sorted({o for o, _ in targets.values()}):
+        tables[owner] = PackedTable.from_entry(qconfig["modules"][owner], device)
+    for mname, (owner, kind) in targets.items():
+        old = model.get_submodule(mname)
+        t = tables[owner]
+        rows, cols = (old.num_embeddings, old.embedding_dim) if kind == "embedding" else \
+            (old.out_features, old.in_features)
+        if (rows, cols) != (t.rows, t.cols):
+            raise OverlayError(f"quantization_config.json: {owner} has shape {[t.rows, t.cols]} but "
+                               f"the model's {mname} is {[rows, cols]}")
+        if kind == "embedding":
+            new = QuantizedEmbedding(t, dtype, _scale_spec(old), getattr(old, "padding_idx", None), device)
+        else:
+            bias = old.bias if getattr(old, "bias", None) is not None else None
+            new = QuantizedLMHead(t, bias)
+        parent_name, _, child = mname.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
+    return tables
+
+
+def fill_tables(tables: dict[str, PackedTable], overlay_dir: str | os.PathLike) -> None:
+    """Read the overlay (through the one reader) and copy its tensors into ``tables``."""
+    ov = load_overlay(overlay_dir, modules=list(tables))
+    for owner, table in tables.items():
+        qt = ov.tables[owner]
+        if tuple(qt.shape) != (table.rows, table.cols):
+            raise OverlayError(f"{ov.file}: {owner} has shape {list(qt.shape)}, "
+                               f"config says {[table.rows, table.cols]}")
+        try:
+            table.load_from(qt.packed, qt.scale, torch.tensor(qt.shape, dtype=torch.int64),
+                            qt.packed_zero_point())
+        except OverlayError as e:
+            raise OverlayError(f"{ov.file}: {owner}: {e}") from None
+
+
+__all__ = ["PackedTable", "QuantizedEmbedding", "QuantizedLMHead", "load", "register",
+           "quantized_modules", "quantized_nbytes", "resolve_targets",
+           "replace_modules", "fill_tables"]

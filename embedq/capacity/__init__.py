@@ -1,0 +1,1 @@
+"""Layer 5, capacity: the KV-cache plan (``embedq plan``)."""

@@ -1,0 +1,33 @@
+"""``embedq demo``: an embedded default job that needs no download."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from embedq.jobs.report import Report
+
+
+def build_demo_model(path: Path, seed: int = 0) -> Path:
+    """A small tied Qwen2-style causal LM (32k vocab) saved as a real HF checkpoint."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def run_demo(workdir: Path | None = None, bits: int = 8) -> Report:
+    from embedq.jobs.quantize import quantize_checkpoint
+    from embedq.jobs.verify import verify_overlay
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="embedq-demo-"))
+    model = base / "demo-model"
+    if not (model / "config.json").exists():
+        build_demo_model(model)
+    report = quantize_checkpoint(model, bits, force=True)
+    verify_overlay(model)
+    report.warnings.append(f"demo checkpoint: {model}")
+    return report

@@ -1,0 +1,64 @@
+"""``embedq eval`` (KLD of an overlay) and ``embedq plan`` (KV-cache capacity)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from embedq.cli.common import fail, run
+
+
+def register(app: typer.Typer) -> None:
+    from embedq.errors import EmbedqError
+
+    @app.command("eval")
+    def eval_(
+        model: Path = typer.Argument(..., help="Checkpoint with an embedq overlay (in place or derived)"),
+        text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default: Python's "
+                                            "pydoc_data/topics.py)"),
+        contexts: int = typer.Option(12, "--contexts", help="Number of contexts"),
+        length: int = typer.Option(128, "--length", help="Tokens per context, BOS included"),
+        reference: Optional[Path] = typer.Option(None, "--reference", help="Float checkpoint to compare "
+                                                 "against (default: MODEL's own float shards)"),
+        dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32, bfloat16, float16"),
+        float_head: bool = typer.Option(False, "--float-head", help="Keep the head float (measure the "
+                                        "gather only)"),
+        seed: int = typer.Option(0, "--seed", help="Bootstrap seed"),
+        device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, ... (default: CPU)"),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar"),
+    ) -> None:
+        """KLD of MODEL's overlay against the float model: mean, percentiles, top-1, Δppl, 95% CI."""
+        from embedq.quality.evaluate import evaluate
+        r = run(evaluate, model, text=text, contexts=contexts, length=length, reference=reference,
+                 dtype=dtype, float_head=float_head, seed=seed, progress=not (quiet or as_json),
+                 device=device)
+        typer.echo(r.to_json() if as_json else r.table())
+
+    @app.command("plan")
+    def plan_(
+        model: Path = typer.Argument(..., help="Checkpoint (with or without an overlay)"),
+        gpu_mem: str = typer.Option("32GiB", "--gpu-mem", help="GPU memory: 32GiB, 24GB (10^9), 80G"),
+        kv_dtype: str = typer.Option("auto", "--kv-dtype", help="fp8, bf16, fp16 or auto (model dtype)"),
+        max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
+                                                    help="Default: max_position_embeddings"),
+        utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="vLLM's fraction"),
+        reserve: Optional[str] = typer.Option(None, "--reserve", help="Activation + non-torch reserve "
+                                              "(default: estimated; e.g. 2GiB)"),
+        batched: int = typer.Option(8192, "--max-num-batched-tokens"),
+        max_seqs: int = typer.Option(256, "--max-num-seqs"),
+        bits: int = typer.Option(8, "--bits", help="Without an overlay: the scheme to estimate"),
+        group_size: Optional[int] = typer.Option(None, "--group-size"),
+        asym: bool = typer.Option(False, "--asym"),
+        as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
+    ) -> None:
+        """KV-cache tokens that fit on a GPU with float tables vs the overlay (vLLM memory model)."""
+        from embedq.capacity.plan import plan
+        if bits not in (4, 8):
+            fail(EmbedqError(f"--bits {bits}: choose 4 or 8"))
+        r = run(plan, model, gpu_mem, kv_dtype=kv_dtype, max_model_len=max_model_len,
+                 gpu_memory_utilization=utilization, reserve=reserve, max_num_batched_tokens=batched,
+                 max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=not asym)
+        typer.echo(r.to_json() if as_json else r.table())

@@ -1,0 +1,169 @@
+"""Reading a Hugging Face checkpoint folder without loading its weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from embedq.errors import CheckpointError
+
+from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME,  # noqa: F401
+                                     QCONFIG_NAME, SINGLE_NAME, STATE_DIR)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    file: str
+    dtype: str  # safetensors name: BF16, F16, F32, ...
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+    header_len: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+    @property
+    def file_offset(self) -> int:
+        return 8 + self.header_len + self.data_offsets[0]
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """Parse and validate a safetensors header; errors name the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 1024 * 1024):
+                raise CheckpointError(f"{path}: corrupt safetensors header (length {n})")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header")
+    end = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        try:
+            b, e = v["data_offsets"]
+            v["dtype"], v["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry {k!r}") from None
+        end = max(end, e)
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end})")
+    return n, header
+
+
+@dataclass
+class Checkpoint:
+    """A local HF checkpoint: config, weight files and where each tensor lives.
+
+    Shards are only opened on demand (:meth:`tensor`), so opening a checkpoint
+    costs one small read per shard at most.
+    """
+
+    path: Path
+    config: dict
+    sharded: bool
+    weight_map: dict[str, str]  # tensor name -> file name (overlay entries excluded)
+    index: dict | None = None
+    _headers: dict[str, tuple[int, dict]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+        p = Path(path)
+        if not p.exists():
+            raise CheckpointError(f"{p}: no such directory")
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: not a directory")
+        config = read_json(p / CONFIG_NAME) if (p / CONFIG_NAME).exists() else None
+        if config is None:
+            raise CheckpointError(f"{p / CONFIG_NAME}: no config.json in the checkpoint folder")
+        if (p / INDEX_NAME).exists():
+            index = read_json(p / INDEX_NAME)
+            wm = index.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CheckpointError(f"{p / INDEX_NAME}: missing or empty weight_map")
+            weight_map = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+            for f in sorted(set(weight_map.values())):
+                if not (p / f).is_file():
+                    raise CheckpointError(f"{p / INDEX_NAME}: names shard {f!r}, which does not exist")
+            return cls(p, config, True, weight_map, index)
+        files = sorted(x.name for x in p.glob("*.safetensors") if x.name != OVERLAY_NAME)
+        if not files:
+            if list(p.glob("*.bin")) or list(p.glob("*.pt")) or list(p.glob("*.pth")):
+                raise CheckpointError(
+                    f"{p}: only PyTorch .bin weights found; embedq needs safetensors "
+                    "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
+            raise CheckpointError(f"{p}: no *.safetensors weights found")
+        if len(files) > 1 and SINGLE_NAME not in files:
+            raise CheckpointError(f"{p}: several .safetensors files but no {INDEX_NAME}")
+        f = SINGLE_NAME if SINGLE_NAME in files else files[0]
+        ck = cls(p, config, False, {}, None)
+        ck.weight_map = {k: f for k in ck.header(f)[1] if k != "__metadata__"}
+        return ck
+
+    def header(self, file: str) -> tuple[int, dict]:
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(self.path / file)
+        return self._headers[file]
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def tensor(self, name: str) -> TensorInfo:
+        """Header facts for one tensor, opening only its shard."""
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in the checkpoint") from None
+        n, header = self.header(file)
+        if name not in header:
+            raise CheckpointError(
+                f"{self.path / file}: index says it holds {name!r}, but the shard has no such tensor")
+        h = header[name]
+        return TensorInfo(name, file, h["dtype"], tuple(h["shape"]), tuple(h["data_offsets"]), n)
+
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def tensors_identical(self, a: str, b: str) -> bool:
+        """Whether tensors ``a`` and ``b`` hold the same bytes (shape and dtype included)."""
+        ta, tb = self.tensor(a), self.tensor(b)
+        if ta.shape != tb.shape or ta.dtype != tb.dtype:
+            return False
+        step = 8 << 20  # usually decided by the first block; keeps peak memory small
+        with open(self.path / ta.file, "rb") as fa, open(self.path / tb.file, "rb") as fb:
+            for off in range(0, ta.nbytes, step):
+                n = min(step, ta.nbytes - off)
+                if os.pread(fa.fileno(), n, ta.file_offset + off) != os.pread(fb.fileno(), n, tb.file_offset + off):
+                    return False
+        return True
+
+    def existing_quantization_config(self) -> dict | None:
+        return self.config.get("quantization_config")

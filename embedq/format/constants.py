@@ -1,0 +1,33 @@
+"""Names and numbers of the overlay format, each defined once (imports nothing).
+
+See docs/overlay-format.md for the contract these constants spell out.
+"""
+
+QUANT_METHOD = "embedq"          # quantization_config.quant_method
+FORMAT_VERSION = 1               # quantization_config.format_version
+OVERLAY_FORMAT = "embedq"        # __metadata__.format of embedq.safetensors
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+OVERLAY_NAME = "embedq.safetensors"
+QCONFIG_NAME = "quantization_config.json"
+STATE_DIR = ".embedq"            # backups and the lock of an in-place overlay
+
+# Last name component of an output-embedding (head) module across architectures.
+HEAD_NAMES = ("lm_head", "embed_out", "output")
+# Tensors of one quantized module in the overlay: "<module>.<suffix>".
+OVERLAY_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+SUPPORTED_BITS = (4, 8)
+# rtn: round-to-nearest; mse: error-minimizing scales; gptq: head-aware, calibrated.
+METHODS = ("rtn", "mse", "gptq")
+ROLES = ("embedding", "head", "mtp")
+
+# Safetensors dtype names <-> the config's dtype names (float tables and scales).
+ST_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def is_head_name(module: str) -> bool:
+    """Whether ``module`` names an output embedding (``model.lm_head`` ...)."""
+    return module.split(".")[-1] in HEAD_NAMES

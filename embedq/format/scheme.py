@@ -1,0 +1,96 @@
+"""Quantization scheme: what one quantized table looks like."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from embedq.errors import SchemeError
+from embedq.format.constants import METHODS, SUPPORTED_BITS
+from embedq.format.dtypes import dtype_from_name
+
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One table's quantization: ``bits``, symmetry and grouping.
+
+    ``group_size=None`` means one scale per row (compressed-tensors strategy
+    ``channel``); otherwise ``cols`` must be divisible by it (strategy ``group``).
+    """
+
+    bits: int = 8
+    symmetric: bool = True
+    group_size: int | None = None
+    method: str = "rtn"
+    scale_dtype: str | None = None  # None: the source dtype
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise SchemeError(f"--bits {self.bits} is not supported (choose 4 or 8)")
+        if self.group_size is not None and (self.group_size < 8 or self.group_size % 8):
+            raise SchemeError(f"--group-size {self.group_size} must be a positive multiple of 8")
+        if self.method not in METHODS:
+            raise SchemeError(f"--method {self.method!r} is not supported ({', '.join(METHODS)})")
+        if self.scale_dtype is not None:
+            dtype_from_name(self.scale_dtype)
+
+    @classmethod
+    def default(cls, bits: int, symmetric: bool = True, group_size: int | None = None,
+                method: str = "rtn", scale_dtype: str | None = None) -> "Scheme":
+        """The documented defaults: 8-bit per row, 4-bit groups of 32."""
+        if group_size is None and bits == 4:
+            group_size = 32
+        if group_size == 0:  # explicit per-row request
+            group_size = None
+        return cls(bits=bits, symmetric=symmetric, group_size=group_size, method=method,
+                   scale_dtype=scale_dtype)
+
+    @property
+    def strategy(self) -> str:
+        return "channel" if self.group_size is None else "group"
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def groups(self, cols: int) -> int:
+        return 1 if self.group_size is None else cols // self.group_size
+
+    def effective_group(self, cols: int) -> int:
+        return cols if self.group_size is None else self.group_size
+
+    def check_shape(self, shape: tuple[int, ...], name: str) -> None:
+        """Refuse shapes this scheme cannot represent, naming the tensor."""
+        if len(shape) != 2:
+            raise SchemeError(f"{name}: expected a 2-D table, got shape {list(shape)}")
+        rows, cols = shape
+        if rows == 0 or cols == 0:
+            raise SchemeError(f"{name}: empty table {list(shape)}")
+        if self.group_size is not None and cols % self.group_size:
+            raise SchemeError(
+                f"{name}: {cols} columns are not divisible by group size {self.group_size}")
+        if (cols * self.bits) % 32:
+            raise SchemeError(
+                f"{name}: {cols} columns x {self.bits} bits is not a whole number of int32 words")
+
+    def overlay_bytes(self, shape: tuple[int, int], scale_bytes: int) -> int:
+        """Bytes of this table's overlay tensors (packed codes, scales, shape, zero points)."""
+        rows, cols = shape
+        groups = self.groups(cols)
+        n = rows * cols * self.bits // 8 + rows * groups * scale_bytes + 16
+        if not self.symmetric:
+            n += -(-rows * self.bits // 32) * groups * 4
+        return n
+
+    def label(self) -> str:
+        g = "row" if self.group_size is None else f"g{self.group_size}"
+        s = "sym" if self.symmetric else "asym"
+        m = "" if self.method == "rtn" else f" {self.method}"
+        return f"int{self.bits} {g} {s}{m}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)

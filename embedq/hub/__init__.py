@@ -1,0 +1,1 @@
+"""Layer 5, publishing: the Hub model card and ``push``."""

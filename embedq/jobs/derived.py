@@ -1,0 +1,148 @@
+"""Derived checkpoints: a self-contained, upload-ready copy with the overlay inside.
+
+Unchanged shards are hard-linked (copied across filesystems); shards that held a
+quantized float table are rewritten streaming without it. Everything is built in
+a hidden sibling folder and renamed to the destination at the end, so a
+half-built checkpoint never sits at the destination's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from embedq.errors import OverlayError
+from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
+from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
+                                        STATE_DIR, Checkpoint)
+from embedq.format.config import build_config
+from embedq.format.files import check_writable, link_or_copy, write_json_atomic
+from embedq.format.writer import ST_NAME_TO_DTYPE, StreamingSafetensorsWriter, fsync_dir
+from embedq.jobs.card import check_card_inputs, write_card
+from embedq.jobs.overlay import write_overlay
+from embedq.jobs.report import Report
+
+COPY_CHUNK = 64 << 20
+SKIP_FILES = {CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME, "README.md"}
+
+
+def rewrite_shard_without(src: Path, dst: Path, drop: set[str]) -> dict[str, int]:
+    """Copy safetensors ``src`` to ``dst`` minus tensors ``drop``, streaming raw bytes.
+
+    Returns the kept tensors' byte sizes.
+    """
+    n, header = read_safetensors_header(src)
+    meta = header.get("__metadata__")
+    keep = {k: v for k, v in header.items() if k != "__metadata__" and k not in drop}
+    order = sorted(keep, key=lambda k: keep[k]["data_offsets"][0])
+    decl = {k: (ST_NAME_TO_DTYPE[keep[k]["dtype"]], tuple(keep[k]["shape"])) for k in order}
+    sizes = {}
+    with open(src, "rb") as f, StreamingSafetensorsWriter(dst, decl, meta) as w:
+        for k in order:
+            b, e = keep[k]["data_offsets"]
+            for off in range(0, e - b, COPY_CHUNK):
+                m = min(COPY_CHUNK, e - b - off)
+                w.write_bytes(k, os.pread(f.fileno(), m, 8 + n + b + off), off)
+            sizes[k] = e - b
+    return sizes
+
+
+def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
+                  base_qc: dict | None, output: Path, *, force: bool = False,
+                  overlay_only: bool = False, chunk_rows: int | None = None,
+                  progress: bool = True, base_model: str | None = None,
+                  base_revision: str | None = None, eval_results=None, calibration=None) -> Report:
+    """Build a derived checkpoint (or an overlay-only bundle) at ``output``."""
+    # fail on bad card inputs before any work
+    eval_results = check_card_inputs(base_model, base_revision, eval_results)
+    output = output.resolve()
+    if output == ckpt.path.resolve():
+        raise OverlayError(f"{output}: --output must differ from the source folder")
+    if output.exists() and any(output.iterdir()) and not force:
+        raise OverlayError(f"{output}: destination exists and is not empty (pass --force to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(output.parent)
+    stage = output.parent / f".{output.name}.{os.getpid()}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        metadata = {"format": OVERLAY_FORMAT, "format_version": str(FORMAT_VERSION)}
+        writer, entries, reports = write_overlay(ckpt, plans, stage / OVERLAY_NAME, metadata,
+                                                 chunk_rows, progress, calibration)
+        writer.commit()
+        qconfig = build_config(entries, tied, aliases, base_qc)
+        sources = {p.tensor for p in plans}
+        # Tensors loaders must no longer see: the quantized float tables, and a
+        # tied head's duplicate of the embedding.
+        drop = set(sources) | {a + ".weight" for a in aliases if ckpt.has(a + ".weight")}
+        if overlay_only:
+            write_json_atomic(stage / QCONFIG_NAME, qconfig)
+        else:
+            _write_weights(ckpt, stage, drop, writer)
+            config = dict(ckpt.config)
+            config["quantization_config"] = qconfig
+            write_json_atomic(stage / QCONFIG_NAME, qconfig)
+            for f in sorted(ckpt.path.iterdir()):
+                if f.name in SKIP_FILES or f.name.startswith(".") or f.suffix == ".safetensors" \
+                        or f.suffix in (".bin", ".pt", ".pth") or f.name == STATE_DIR:
+                    continue
+                if f.is_file():
+                    shutil.copy2(f, stage / f.name)
+            write_json_atomic(stage / CONFIG_NAME, config)
+        report = Report(str(ckpt.path), "overlay-only" if overlay_only else "derived", reports, tied,
+                        overlay=str(output / OVERLAY_NAME), output=str(output))
+        # Inputs of the model card (embedq.jobs.card reads them from here).
+        report.extra.update({k: v for k, v in (("base_model", base_model),
+                                                ("base_revision", base_revision),
+                                                ("eval", eval_results)) if v is not None})
+        try:
+            write_card(stage, ckpt, report, qconfig)
+        except ImportError:
+            pass
+        fsync_dir(stage)
+        if output.exists():
+            old = output.parent / f".{output.name}.{os.getpid()}.old"
+            os.replace(output, old)
+            os.replace(stage, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, output)
+        fsync_dir(output.parent)
+        return report
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _write_weights(ckpt: Checkpoint, stage: Path, drop: set[str], writer) -> None:
+    files = ckpt.files()
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in files:
+        names = [k for k, v in ckpt.weight_map.items() if v == f]
+        if any(n in drop for n in names):
+            sizes = rewrite_shard_without(ckpt.path / f, stage / f, drop)
+            if not sizes:  # the shard held nothing else
+                (stage / f).unlink()
+                continue
+        else:
+            link_or_copy(ckpt.path / f, stage / f)
+            _, header = ckpt.header(f)
+            sizes = {k: v["data_offsets"][1] - v["data_offsets"][0]
+                     for k, v in header.items() if k != "__metadata__"}
+        for k, s in sizes.items():
+            weight_map[k] = f
+            total += s
+    for name, size in writer.sizes.items():
+        weight_map[name] = OVERLAY_NAME
+        total += size
+    index = {"metadata": {"total_size": total},
+             "weight_map": dict(sorted(weight_map.items()))}
+    if ckpt.index and isinstance(ckpt.index.get("metadata"), dict):
+        meta = {k: v for k, v in ckpt.index["metadata"].items() if k != "total_parameters"}
+        index["metadata"] = {**meta, "total_size": total}
+    write_json_atomic(stage / INDEX_NAME, index)

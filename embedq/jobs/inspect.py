@@ -1,0 +1,62 @@
+"""``embedq inspect``: what embedq would quantize, and what it would save."""
+
+from __future__ import annotations
+
+import os
+
+from embedq.format.checkpoint import Checkpoint
+from embedq.jobs.targets import find_targets
+from embedq.format.dtypes import ST_TO_TORCH
+from embedq.format.scheme import Scheme
+
+
+def _size(shape, scheme: Scheme, src_bytes: int) -> int | None:
+    try:
+        scheme.check_shape(shape, "")
+    except Exception:
+        return None
+    return scheme.overlay_bytes(shape, src_bytes)
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict:
+    """Targets found, tie status and bytes now / after int8 / after Q4 g32 per tensor."""
+    ckpt = Checkpoint.open(path)
+    t, tied_cfg = find_targets(ckpt)
+    names = [("embedding", t.embedding)]
+    if t.head:
+        names.append(("head", t.head))
+    names += [("mtp", n) for n in t.extra_embeddings]
+    rows = []
+    for role, n in names:
+        info = ckpt.tensor(n)
+        isz = ST_TO_TORCH[info.dtype].itemsize if info.dtype in ST_TO_TORCH else 0
+        rows.append({
+            "role": role, "tensor": n, "file": info.file, "shape": list(info.shape), "dtype": info.dtype,
+            "bytes": info.nbytes,
+            "bytes_int8": _size(info.shape, Scheme.default(8), isz),
+            "bytes_q4_g32": _size(info.shape, Scheme.default(4), isz),
+        })
+    identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
+    qc = ckpt.existing_quantization_config()
+    return {
+        "path": str(ckpt.path), "sharded": ckpt.sharded, "files": len(ckpt.files()),
+        "targets_from": t.source, "config_tie_word_embeddings": tied_cfg,
+        "head_tensor": t.head, "head_module": t.head_module, "head_identical": identical,
+        "tensors": rows,
+        "existing_quantization": (qc or {}).get("quant_method"),
+    }
+
+
+def format_inspect(d: dict) -> str:
+    lines = [f"{d['path']}: {d['files']} weight file(s), targets from {d['targets_from']}",
+             f"tie_word_embeddings={d['config_tie_word_embeddings']} head tensor={d['head_tensor'] or '(none)'}"
+             + ("" if d["head_identical"] is None else f" identical={d['head_identical']}")]
+    if d["existing_quantization"]:
+        lines.append(f"existing quantization: {d['existing_quantization']}")
+    fmt = "{:<10} {:<42} {:<14} {:<5} {:>10} {:>10} {:>10}"
+    lines.append(fmt.format("role", "tensor", "shape", "dtype", "MB now", "MB int8", "MB Q4g32"))
+    mb = lambda b: "n/a" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
+    for r in d["tensors"]:
+        lines.append(fmt.format(r["role"], r["tensor"], "x".join(map(str, r["shape"])), r["dtype"],
+                                mb(r["bytes"]), mb(r["bytes_int8"]), mb(r["bytes_q4_g32"])))
+    return "\n".join(lines)
