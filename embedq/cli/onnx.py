@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from embedq.cli.common import fail, run
+from embedq.cli.common import run
 
 
 def register(app: typer.Typer) -> None:

@@ -19,7 +19,6 @@ import torch
 
 from embedq.errors import OverlayError
 from embedq.format.dtypes import DTYPE_TO_ST_NAME as _ST_DTYPES
-from embedq.format.dtypes import ST_NAME_TO_DTYPE  # noqa: F401  (re-exported for callers)
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _ST_DTYPES}
 

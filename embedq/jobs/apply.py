@@ -24,7 +24,8 @@ from embedq.format.checkpoint import (CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, C
 from embedq.format.config import scheme_of, validate_config
 from embedq.format.constants import OVERLAY_FORMAT, ST_FLOAT_NAMES
 from embedq.format.files import check_writable
-from embedq.format.writer import ST_NAME_TO_DTYPE, StreamingSafetensorsWriter
+from embedq.format.dtypes import ST_NAME_TO_DTYPE
+from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport, Report
 
 CHUNK = 64 << 20

@@ -8,12 +8,9 @@ half-built checkpoint never sits at the destination's name.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
-
-import torch
 
 from embedq.errors import OverlayError
 from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
@@ -21,7 +18,8 @@ from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDE
                                         STATE_DIR, Checkpoint)
 from embedq.format.config import build_config
 from embedq.format.files import check_writable, link_or_copy, write_json_atomic
-from embedq.format.writer import ST_NAME_TO_DTYPE, StreamingSafetensorsWriter, fsync_dir
+from embedq.format.dtypes import ST_NAME_TO_DTYPE
+from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
 from embedq.jobs.card import check_card_inputs, write_card
 from embedq.jobs.overlay import write_overlay
 from embedq.jobs.report import Report

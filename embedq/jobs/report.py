@@ -27,7 +27,7 @@ class Report:
     """What ``embedq quantize`` (or ``verify``) did; ``str(report)`` is the summary table."""
 
     path: str
-    mode: str  # in-place | derived | verify | inspect
+    mode: str  # in-place | derived | derived (compressed-tensors) | verify | apply
     modules: list[ModuleReport]
     tied: bool
     overlay: str | None = None

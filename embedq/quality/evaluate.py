@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,10 +31,10 @@ from pathlib import Path
 import torch
 
 from embedq.errors import EmbedqError, EvalError
-from embedq.jobs.advice import LOSSY_KLD, LOSSY_TOP1, MEASURED_GEMMA3_270M, scheme_advice  # noqa: F401
+from embedq.jobs.advice import LOSSY_KLD, LOSSY_TOP1, MEASURED_GEMMA3_270M, scheme_advice  # noqa: F401  (re-exported)
 from embedq.jobs.calibration import (config_bos, default_text, load_reference, load_tokenizer,  # noqa: F401
                                      make_contexts, quiet_transformers, read_text, text_contexts)
-from embedq.format.constants import QUANT_METHOD, is_head_name
+from embedq.format.constants import is_head_name
 
 DEFAULT_CONTEXTS = 12
 DEFAULT_LENGTH = 128
@@ -78,10 +77,6 @@ class EvalResult:
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), indent=2, **kw)
-
-    def summary_row(self) -> dict:
-        return {"mean_kld": self.mean_kld, "kld_ci95": list(self.kld_ci95), "kld_p99": self.kld_p99,
-                "same_top1": self.same_top1, "delta_ppl": self.delta_ppl}
 
     def table(self) -> str:
         mods = ", ".join(f"{m}: {s}" for m, s in self.modules.items())

@@ -34,12 +34,7 @@ Activate it around quantization with :func:`calibrated`.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
-import os
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -400,12 +400,3 @@ def quantize_pack(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, sta
         packed, s = packed[:rows], s[:rows]
         zp = None if zp is None else zp[:rows]
     return packed, s, zp, st
-
-
-def warmup(shape: tuple[int, int], scheme: Scheme, dtype: torch.dtype, scale_dtype: torch.dtype,
-           stats: bool = True) -> str:
-    """Compile (or load from the cache) the kernel for chunks of ``shape``; returns the backend."""
-    if scheme.method != "rtn":
-        return "eager"
-    quantize_pack(torch.zeros(shape, dtype=dtype), scheme, scale_dtype, stats)
-    return kernel_backend()

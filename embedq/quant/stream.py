@@ -8,14 +8,12 @@ import os
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from embedq.quant.kernels import chunk_stats, quantize_pack
 from embedq.format.codec import pack_int32
-from embedq.format.codec import dequantize_codes
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
 
@@ -41,64 +39,6 @@ def quantize_chunk(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, ca
         from embedq.quant.gptq import quantize_gptq
         return quantize_gptq(x, scheme, scale_dtype, calibration)
     return quantize_rtn(x, scheme, scale_dtype)
-
-
-@dataclass
-class Chunk:
-    row: int
-    source: torch.Tensor  # the rows as read
-    q: torch.Tensor  # signed codes, int8
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-
-
-@dataclass
-class ErrorStats:
-    """Reconstruction error accumulated over chunks."""
-
-    max_abs: float = 0.0
-    sq_err: float = 0.0
-    sq_ref: float = 0.0
-    count: int = 0
-
-    def update(self, x: torch.Tensor, xhat: torch.Tensor) -> None:
-        d = xhat - x
-        self.max_abs = max(self.max_abs, float(d.abs().max()))
-        self.sq_err += float((d.double() ** 2).sum())
-        self.sq_ref += float((x.double() ** 2).sum())
-        self.count += x.numel()
-
-    def add(self, max_abs: float, sq_err: float, sq_ref: float, count: int) -> None:
-        """Merge one chunk's already-reduced statistics."""
-        self.max_abs = max(self.max_abs, max_abs)
-        self.sq_err += sq_err
-        self.sq_ref += sq_ref
-        self.count += count
-
-    @property
-    def rms(self) -> float:
-        return (self.sq_err / self.count) ** 0.5 if self.count else 0.0
-
-    @property
-    def rel_rms(self) -> float:
-        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
-
-
-def iter_quantized(read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int],
-                   scheme: Scheme, scale_dtype: torch.dtype, chunk_rows: int,
-                   stats: ErrorStats | None = None) -> Iterator[Chunk]:
-    """Quantize ``shape[0]`` rows ``chunk_rows`` at a time; ``read_rows(a, b)`` reads rows a..b."""
-    rows, _ = shape
-    if chunk_rows % ROW_ALIGN:
-        raise ValueError(f"chunk_rows must be a multiple of {ROW_ALIGN}")
-    for r0 in range(0, rows, chunk_rows):
-        r1 = min(rows, r0 + chunk_rows)
-        x = read_rows(r0, r1)
-        q, scale, zp = quantize_chunk(x, scheme, scale_dtype)
-        if stats is not None:
-            xf = x.float()
-            stats.update(xf, dequantize_codes(q, scale, zp, scheme.group_size))
-        yield Chunk(r0, x, q, scale, zp)
 
 
 # --- the fast path: fused kernels, mapped reads, overlapped stages --------------------

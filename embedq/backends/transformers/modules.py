@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -12,10 +11,10 @@ from torch import nn
 from embedq.errors import OverlayError
 from embedq.format.codec import dequantize_rows as codec_dequantize_rows
 from embedq.format.codec import zero_points_of
-from embedq.format.config import scheme_of, validate_config
-from embedq.format.constants import HEAD_NAMES, OVERLAY_FORMAT, OVERLAY_SUFFIXES, QUANT_METHOD
+from embedq.format.config import scheme_of
+from embedq.format.constants import HEAD_NAMES
 from embedq.format.dtypes import dtype_from_name
-from embedq.format.reader import load_overlay, read_overlay_config
+from embedq.format.reader import load_overlay
 
 # Dequantize about this many bytes of float32 table at a time in the head.
 HEAD_CHUNK_BYTES = 32 << 20
@@ -349,6 +348,6 @@ def fill_tables(tables: dict[str, PackedTable], overlay_dir: str | os.PathLike) 
             raise OverlayError(f"{ov.file}: {owner}: {e}") from None
 
 
-__all__ = ["PackedTable", "QuantizedEmbedding", "QuantizedLMHead", "load", "register",
+__all__ = ["PackedTable", "QuantizedEmbedding", "QuantizedLMHead",
            "quantized_modules", "quantized_nbytes", "resolve_targets",
            "replace_modules", "fill_tables"]

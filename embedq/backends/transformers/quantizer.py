@@ -48,7 +48,6 @@ class EmbedqConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
 
     def to_dict(self) -> dict:
-        import copy
         return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
 
 @register_quantizer(QUANT_METHOD)

@@ -31,7 +31,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from embedq.format.codec import (dequantize_rows, pack_zero_point_rows, unpack_zero_point_rows,
                                  zero_points_of)
 from embedq.format.config import scheme_of
-from embedq.format.constants import QUANT_METHOD, is_head_name
+from embedq.format.constants import FORMAT_VERSION, QCONFIG_NAME, QUANT_METHOD, is_head_name
 from embedq.format.dtypes import dtype_from_name
 
 logger = logging.getLogger("embedq.vllm")
@@ -68,9 +68,6 @@ class _Spec:
         return (self.bits, self.group_size, self.symmetric, self.scale_dtype, self.cols) == (
             other.bits, other.group_size, other.symmetric, other.scale_dtype, other.cols)
 
-
-def is_head_name(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in _HEAD_NAMES
 
 class EmbedqConfig(QuantizationConfig):
     """The ``embedq`` quantization method (overlay contract, format version 1)."""
@@ -152,7 +149,7 @@ class EmbedqConfig(QuantizationConfig):
 
     @staticmethod
     def get_config_filenames() -> list[str]:
-        return [CONFIG_FILENAME]
+        return [QCONFIG_NAME]
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "EmbedqConfig":
