@@ -658,15 +658,16 @@ def _local(p: Path) -> _Source:
 def _hub(repo_id: str, revision: str | None, need_weights: bool) -> _Source:
     """config.json and safetensors headers of a Hub repo (huggingface_hub; no weight bytes)."""
     try:
-        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import HfApi
         from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, NotASafetensorsRepoError,
                                             RepositoryNotFoundError, RevisionNotFoundError)
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         raise PlanError(f"{repo_id}: planning a Hub model needs huggingface_hub") from None
     from embedq.overlays.checkpoint import OVERLAY_NAME, Checkpoint
     where = f"{repo_id}/config.json"
+    api = HfApi()  # HF_ENDPOINT / HF_TOKEN as huggingface_hub reads them
     try:
-        cfg_file = hf_hub_download(repo_id, "config.json", revision=revision)
+        cfg_file = api.hf_hub_download(repo_id, "config.json", revision=revision)
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise PlanError(f"{repo_id}: no such directory or Hub model ({type(e).__name__})") from None
     except EntryNotFoundError:
@@ -679,7 +680,6 @@ def _hub(repo_id: str, revision: str | None, need_weights: bool) -> _Source:
         raise PlanError(f"{where}: not valid JSON") from None
     if not need_weights:
         return _Source(repo_id, config, where, None)
-    api = HfApi()
     try:
         meta = api.get_safetensors_metadata(repo_id, revision=revision)
     except NotASafetensorsRepoError:
