@@ -858,7 +858,8 @@ def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str
     mem = parse_bytes(gpu_mem)
     given = None
     if weights_gib is not None:
-        given = parse_bytes(weights_gib)
+        # a bare number is GiB, as the option's name says
+        given = int(weights_gib * GiB) if isinstance(weights_gib, (int, float)) else parse_bytes(weights_gib)
         if given <= 0:
             raise PlanError(f"--weights-gib {weights_gib}: expected a positive size")
     src = _source(path, revision, need_weights=given is None)
