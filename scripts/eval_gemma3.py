@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             current = qkw
             overlay_mb = rep.bytes_after / 1e6
         t0 = time.perf_counter()
-        r = embedq.quality.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
+        r = embedq.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
                             float_head=float_head, progress=False)
         row = {"row": name, "label": label, "quantize": qkw, "float_head": float_head,
                "overlay_MB": round(overlay_mb, 1), "seconds": round(time.perf_counter() - t0, 1),

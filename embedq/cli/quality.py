@@ -39,7 +39,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("plan")
     def plan_(
-        model: Path = typer.Argument(..., help="Checkpoint (with or without an overlay)"),
+        model: str = typer.Argument(..., help="Checkpoint folder (with or without an overlay), a folder "
+                                    "with only config.json (+ --weights-gib), or a Hub org/model id"),
         gpu_mem: str = typer.Option("32GiB", "--gpu-mem", help="GPU memory: 32GiB, 24GB (10^9), 80G"),
         kv_dtype: str = typer.Option("auto", "--kv-dtype", help="fp8, bf16, fp16 or auto (model dtype)"),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
@@ -49,16 +50,33 @@ def register(app: typer.Typer) -> None:
                                               "(default: estimated; e.g. 2GiB)"),
         batched: int = typer.Option(8192, "--max-num-batched-tokens"),
         max_seqs: int = typer.Option(256, "--max-num-seqs"),
+        weights_gib: Optional[str] = typer.Option(None, "--weights-gib", help="Float weight size (GiB, or "
+                                                  "24GB, 900MiB): plan from config.json alone"),
+        revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag, commit)"),
+        block_size: Optional[int] = typer.Option(None, "--block-size", help="vLLM --block-size (default 16)"),
+        prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                                            help="vLLM's prefix caching (on by default; hybrid models "
+                                            "keep 2 state pages per request with it, 1 without)"),
+        async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
+                                              help="vLLM's async scheduling (2 batches in flight)"),
+        gdn_checkpoints: bool = typer.Option(False, "--gdn-checkpoints", help="FlashInfer gated-delta-net "
+                                             "prefill (Hopper/Blackwell): +1 state page, 64-token blocks"),
+        ssm_dtype: str = typer.Option("auto", "--mamba-ssm-cache-dtype", help="vLLM's flag: auto "
+                                      "(config's mamba_ssm_dtype for Qwen3.5, else model dtype), "
+                                      "bfloat16, float16, float32"),
         bits: int = typer.Option(8, "--bits", help="Without an overlay: the scheme to estimate"),
         group_size: Optional[int] = typer.Option(None, "--group-size"),
         asym: bool = typer.Option(False, "--asym"),
-        as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
+        as_json: bool = typer.Option(False, "--json", help="Print the plan (and vLLM's numbers) as JSON"),
     ) -> None:
-        """KV-cache tokens that fit on a GPU with float tables vs the overlay (vLLM memory model)."""
+        """KV-cache tokens that fit on a GPU with float tables vs the overlay (vLLM 0.33.0's rules)."""
         from embedq.capacity.plan import plan
         if bits not in (4, 8):
             fail(EmbedqError(f"--bits {bits}: choose 4 or 8"))
         r = run(plan, model, gpu_mem, kv_dtype=kv_dtype, max_model_len=max_model_len,
                  gpu_memory_utilization=utilization, reserve=reserve, max_num_batched_tokens=batched,
-                 max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=not asym)
+                 max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=not asym,
+                 weights_gib=weights_gib, revision=revision, block_size=block_size,
+                 prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+                 gdn_checkpoints=gdn_checkpoints, mamba_ssm_cache_dtype=ssm_dtype)
         typer.echo(r.to_json() if as_json else r.table())

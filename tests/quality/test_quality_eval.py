@@ -32,7 +32,7 @@ def test_identity_overlay_has_zero_kld(model_factory):
     set_table(src, "model.embed_tokens.weight", _exact_table(512, 64))
     rep = embedq.quantize(src, bits=8, progress=False)
     assert rep.modules[0].max_abs_error == 0.0
-    r = embedq.quality.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
     assert r.mean_kld == 0.0 and r.kld_max == 0.0 and r.kld_ci95 == (0.0, 0.0)
     assert r.same_top1 == 100.0
     assert r.delta_ppl == 0.0 and r.ppl_reference == r.ppl_quantized
@@ -66,7 +66,7 @@ def _by_hand(src, overlay, contexts):
 def test_perturbed_table_kld_matches_hand_computation(model_factory, kind, kw):
     src = model_factory(kind)
     embedq.quantize(src, progress=False, **kw)
-    r = embedq.quality.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
     # contexts by hand: 70 tokens = 10 windows of 7; windows 0, 3 and 6, each after BOS
     ctx = [[BOS] + TOKENS[k * 7:(k + 1) * 7] for k in (0, 3, 6)]
     assert make_contexts(TOKENS, 3, 8, BOS).tolist() == ctx
@@ -89,8 +89,8 @@ def test_perturbed_table_kld_matches_hand_computation(model_factory, kind, kw):
 def test_float_head_measures_the_gather_only(model_factory):
     src = model_factory("qwen2_tied")
     embedq.quantize(src, bits=4, progress=False)
-    full = embedq.quality.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
-    gather = embedq.quality.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, float_head=True,
+    full = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    gather = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, float_head=True,
                              progress=False)
     assert gather.modules == {"model.embed_tokens": "int4 g32 sym"}
     assert 0 < gather.mean_kld != full.mean_kld
@@ -101,10 +101,10 @@ def test_derived_checkpoint_needs_its_source(model_factory, tmp_path):
     out = tmp_path / "derived"
     embedq.quantize(src, bits=4, output=out, progress=False)
     with pytest.raises(EvalError, match="--reference"):
-        embedq.quality.evaluate(out, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
-    d = embedq.quality.evaluate(out, reference=src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+        embedq.evaluate(out, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    d = embedq.evaluate(out, reference=src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
     embedq.quantize(src, bits=4, progress=False)
-    i = embedq.quality.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    i = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
     assert d.mean_kld == i.mean_kld and d.same_top1 == i.same_top1
 
 
@@ -134,7 +134,7 @@ def test_cli_eval_json_matches_python_api(model_factory, tmp_path):
                                    "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    api = embedq.quality.evaluate(src, text=text, contexts=4, length=24, progress=False)
+    api = embedq.evaluate(src, text=text, contexts=4, length=24, progress=False)
     for k in ("mean_kld", "kld_p99", "same_top1", "delta_ppl", "tokens"):
         assert d[k] == getattr(api, k)
     assert d["kld_ci95"] == list(api.kld_ci95)

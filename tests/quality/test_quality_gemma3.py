@@ -38,7 +38,7 @@ def test_gemma3_loads_generates_and_equals_dequantized_reference(gemma3_copy):
 def test_gemma3_eval_defaults_int8_row(gemma3_copy):
     embedq.quantize(gemma3_copy, bits=8, progress=False)
     t0 = time.perf_counter()
-    r = embedq.quality.evaluate(gemma3_copy, progress=False)
+    r = embedq.evaluate(gemma3_copy, progress=False)
     took = time.perf_counter() - t0
     print(f"\n{r}\n({took:.0f} s)")
     assert took < 300  # the budget for the defaults on 2 CPU cores
@@ -52,12 +52,13 @@ def test_gemma3_eval_defaults_int8_row(gemma3_copy):
 
 def test_gemma3_plan_weights_and_kv(gemma3_copy):
     embedq.quantize(gemma3_copy, bits=8, progress=False)
-    r = embedq.capacity.plan(gemma3_copy, "16GiB", kv_dtype="bf16", max_model_len=32768)
+    r = embedq.plan(gemma3_copy, "16GiB", kv_dtype="bf16", max_model_len=32768)
     saved = 262144 * 640 * 2 - overlay_tensor_bytes(gemma3_copy)
     assert r.before.weights - r.after.weights == saved
     lay = r.layout
     assert (lay["full_layers"], lay["sliding_layers"], lay["kv_heads"], lay["head_dim"]) == (3, 15, 1, 256)
-    # every freed byte becomes KV cache at this model's effective bytes per token
+    # every freed byte becomes KV cache at this model's effective bytes per token, in whole
+    # blocks (vLLM allocates blocks): within one block's worth of tokens per request
     per_token = r.before.per_seq / 32768
-    assert r.extra_tokens == pytest.approx(saved / per_token, abs=2)
+    assert r.extra_tokens == pytest.approx(saved / per_token, abs=32768 / r.before.blocks_per_request + 1)
     print(f"\n{r}")

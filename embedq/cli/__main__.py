@@ -1,0 +1,7 @@
+"""``python -m embedq.cli``: the same as the ``embedq`` command."""
+
+import sys
+
+from embedq.cli.app import main
+
+sys.exit(main())
