@@ -100,9 +100,19 @@ class Builder:
 _dist_ready = False
 
 
+def without_missing_cpu_kernels() -> None:
+    """PyPI's vLLM wheel has no CPU kernels (torch.ops._C), yet on AMX machines vLLM routes
+    small float GEMMs to them (``check_cpu_sgl_kernel``); fall back to its oneDNN path there."""
+    import torch
+    from vllm.model_executor.layers import utils
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        utils.check_cpu_sgl_kernel = lambda *a, **k: False
+
+
 def init_single_process() -> None:
     """gloo world of one, tensor/pipeline parallel 1 (once per process)."""
     global _dist_ready
+    without_missing_cpu_kernels()
     if _dist_ready:
         return
     from vllm.distributed import init_distributed_environment, initialize_model_parallel

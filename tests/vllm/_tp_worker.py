@@ -20,7 +20,8 @@ def main() -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
 
-    from _harness import engine_config, vocab_layers
+    from _harness import engine_config, vocab_layers, without_missing_cpu_kernels
+    without_missing_cpu_kernels()
 
     vc = engine_config(model_dir, tp=world)
     with set_current_vllm_config(vc):
