@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,3 +168,133 @@ class Checkpoint:
 
     def existing_quantization_config(self) -> dict | None:
         return self.config.get("quantization_config")
+
+
+# ---------------------------------------------------------------------------------------
+# A checkpoint on the Hugging Face Hub, read header-only
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def looks_like_hub_id(spec: str | os.PathLike) -> bool:
+    """``org/name`` that is not an existing local path."""
+    s = str(spec)
+    return bool(HUB_ID.match(s)) and not Path(s).exists()
+
+
+@dataclass
+class HubCheckpoint(Checkpoint):
+    """A Hub repository seen as a :class:`Checkpoint`, without its weights.
+
+    Reads config.json (and the shard index when sharded) through huggingface_hub, and
+    each shard's safetensors header with two HTTP Range requests (8 bytes of length,
+    then exactly the header): no byte of tensor data is ever requested. Honors
+    ``HF_ENDPOINT``, ``HF_TOKEN`` and the usual huggingface_hub settings.
+    ``tensors_identical`` would need the data, so it answers None (unknown).
+    """
+
+    repo_id: str = ""
+    revision: str | None = None
+    token: str | bool | None = None
+
+    def header(self, file: str) -> tuple[int, dict]:
+        if file not in self._headers:
+            self._headers[file] = _hub_header(self.repo_id, file, self.revision, self.token)
+        return self._headers[file]
+
+    def tensors_identical(self, a: str, b: str):  # type: ignore[override]
+        return None
+
+
+def _hub_error(repo_id: str, what: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{repo_id}: cannot read {what} from the Hub ({type(e).__name__}: {e})")
+
+
+def _hub_range(repo_id: str, file: str, revision, token, start: int, end: int) -> bytes:
+    from huggingface_hub import constants, get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+    url = hf_hub_url(repo_id, file, revision=revision, endpoint=constants.ENDPOINT)
+    headers = {**build_hf_headers(token=token), "range": f"bytes={start}-{end}"}
+    r = get_session().get(url, headers=headers, follow_redirects=True,
+                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    hf_raise_for_status(r)
+    return r.content[: end - start + 1]
+
+
+def _hub_header(repo_id: str, file: str, revision, token) -> tuple[int, dict]:
+    where = f"{repo_id}/{file}"
+    try:
+        raw = _hub_range(repo_id, file, revision, token, 0, 7)
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if len(raw) < 8:
+        raise CheckpointError(f"{where}: truncated safetensors file (no header)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > 100 * 1024 * 1024:
+        raise CheckpointError(f"{where}: corrupt safetensors header (length {n})")
+    try:
+        body = _hub_range(repo_id, file, revision, token, 8, 8 + n - 1)
+        header = json.loads(body)
+    except CheckpointError:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{where}: corrupt safetensors header (not JSON)") from None
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: corrupt safetensors header")
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        try:
+            v["data_offsets"][1], v["dtype"], v["shape"]
+        except (KeyError, TypeError, IndexError):
+            raise CheckpointError(f"{where}: corrupt safetensors header entry {k!r}") from None
+    return n, header
+
+
+def _hub_json(repo_id: str, file: str, revision, token) -> dict:
+    from huggingface_hub import hf_hub_download
+    try:
+        local = hf_hub_download(repo_id, file, revision=revision, token=token)
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    return read_json(Path(local))
+
+
+def open_hub(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> HubCheckpoint:
+    """Open a Hub model repository header-only: config.json, the index if sharded, and
+    the safetensors headers of its shards (fetched lazily, by HTTP Range). No weights."""
+    from huggingface_hub import HfApi
+    api = HfApi()
+    config = _hub_json(repo_id, CONFIG_NAME, revision, token)
+    try:
+        sharded = api.file_exists(repo_id, INDEX_NAME, revision=revision, token=token)
+        single = not sharded and api.file_exists(repo_id, SINGLE_NAME, revision=revision, token=token)
+    except Exception as e:
+        raise _hub_error(repo_id, "the file list", e) from None
+    label = repo_id if revision is None else f"{repo_id}@{revision}"
+    if sharded:
+        index = _hub_json(repo_id, INDEX_NAME, revision, token)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{repo_id}/{INDEX_NAME}: missing or empty weight_map")
+        weight_map = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+        return HubCheckpoint(Path(label), config, True, weight_map, index, repo_id=repo_id,
+                             revision=revision, token=token)
+    if not single:
+        raise CheckpointError(f"{repo_id}: no {SINGLE_NAME} or {INDEX_NAME} on the Hub "
+                              "(embedq needs safetensors weights)")
+    ck = HubCheckpoint(Path(label), config, False, {}, None, repo_id=repo_id, revision=revision,
+                       token=token)
+    ck.weight_map = {k: SINGLE_NAME for k in ck.header(SINGLE_NAME)[1] if k != "__metadata__"}
+    return ck
+
+
+def open_checkpoint(spec: str | os.PathLike, revision: str | None = None,
+                    token: str | bool | None = None) -> Checkpoint:
+    """A local checkpoint folder, or a Hub id (``org/name``) read header-only."""
+    if looks_like_hub_id(spec):
+        return open_hub(str(spec), revision=revision, token=token)
+    return Checkpoint.open(spec)
