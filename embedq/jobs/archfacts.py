@@ -78,12 +78,13 @@ def _write_cache(version: str, key: str, facts: dict) -> None:
 
 
 def class_key(config: dict) -> str | None:
-    """The model class a checkpoint names (``architectures[0]``), else ``model_type:<type>``."""
+    """``<architectures[0]>|<model_type>``: one class serves several model types, whose
+    conversion mappings differ (``LlamaForCausalLM`` for ``llama`` and ``exaone``)."""
     arch = config.get("architectures")
-    if isinstance(arch, list) and arch and isinstance(arch[0], str):
-        return arch[0]
     mt = config.get("model_type")
-    return f"model_type:{mt}" if isinstance(mt, str) else None
+    arch = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else ""
+    mt = mt if isinstance(mt, str) else ""
+    return f"{arch}|{mt}" if arch or mt else None
 
 
 def cached_facts(config: dict) -> dict | None:
@@ -161,15 +162,18 @@ def _quiet():
             logging.disable(logging.NOTSET)
 
 
-def root_renamings(cls, model_type: str | None) -> list:
-    """The root-level key renamings ``from_pretrained`` applies to ``cls``
-    (class-name mapping first, else the model type's, then the legacy ones)."""
+def root_renamings(cls, model_type: str | None, legacy: bool = False) -> list:
+    """The root-level key renamings ``from_pretrained`` applies to ``cls`` (class-name
+    mapping first, else the model type's; ``legacy``: then transformers' legacy ones, which
+    only old checkpoints need and save_pretrained does not write)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
     conv = get_checkpoint_conversion_mapping(cls.__name__)
     if conv is None and model_type:
         conv = get_checkpoint_conversion_mapping(model_type)
-    conv = list(conv or []) + list(get_checkpoint_conversion_mapping("legacy") or [])
+    conv = list(conv or [])
+    if legacy:
+        conv += list(get_checkpoint_conversion_mapping("legacy") or [])
     return [t for t in conv if isinstance(t, WeightRenaming)]
 
 
@@ -253,17 +257,27 @@ def compute_facts(config: dict, allow_skeleton: bool = True) -> dict | None:
             return None
         emb, head = in_mod + ".weight", (out_mod + ".weight" if out_mod else None)
         source = "skeleton"
-    try:
-        ren = root_renamings(cls, model_type)
-    except Exception:
-        ren = []
+    spellings = {}
+    for p in (emb, head):
+        if not p:
+            continue
+        spellings[p] = [p]
+        for legacy in (False, True):
+            try:
+                for sp in saved_spellings(p, root_renamings(cls, model_type, legacy=legacy)):
+                    if sp not in spellings[p]:
+                        spellings[p].append(sp)
+            except Exception:
+                pass
     f = {
         "class": cls.__name__,
         "model_type": model_type,
         "base_model_prefix": getattr(cls, "base_model_prefix", "") or "",
         "embedding": emb,
         "head": head,
-        "spellings": {p: saved_spellings(p, ren) for p in (emb, head) if p},
+        # module parameter first, then how save_pretrained spells it (then with the legacy
+        # renamings reversed too, for older checkpoints)
+        "spellings": spellings,
         "tie_default": _tie_default(model_type),
         "from": source,
     }

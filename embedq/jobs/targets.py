@@ -88,7 +88,7 @@ def _from_facts(ckpt: Checkpoint, f: dict) -> tuple[str, str | None, str | None]
     if embs[0] == emb_param and len(emb_spell) > 1:
         head = head_spellings[0]
     else:
-        head = head_spellings[-1]
+        head = head_spellings[min(1, len(head_spellings) - 1)]
     return embs[0], None, head[: -len(".weight")]
 
 
@@ -143,7 +143,7 @@ def _from_transformers(ckpt: Checkpoint) -> tuple[str, str | None, str | None] |
     try:
         spell = archfacts.saved_spellings(out_mod + ".weight",
                                           archfacts.root_renamings(cls, ckpt.config.get("model_type")))
-        head_module = spell[-1][: -len(".weight")]
+        head_module = spell[min(1, len(spell) - 1)][: -len(".weight")]
     except Exception:
         pass
     if emb != in_mod + ".weight":
