@@ -8,6 +8,7 @@ import os
 import queue
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,6 +40,38 @@ def quantize_chunk(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, ca
         from embedq.quant.gptq import quantize_gptq
         return quantize_gptq(x, scheme, scale_dtype, calibration)
     return quantize_rtn(x, scheme, scale_dtype)
+
+
+@dataclass
+class ErrorStats:
+    """Reconstruction error accumulated over chunks (used by jobs.overlay and jobs.verify)."""
+
+    max_abs: float = 0.0
+    sq_err: float = 0.0
+    sq_ref: float = 0.0
+    count: int = 0
+
+    def update(self, x: torch.Tensor, xhat: torch.Tensor) -> None:
+        d = xhat - x
+        self.max_abs = max(self.max_abs, float(d.abs().max()))
+        self.sq_err += float((d.double() ** 2).sum())
+        self.sq_ref += float((x.double() ** 2).sum())
+        self.count += x.numel()
+
+    def add(self, max_abs: float, sq_err: float, sq_ref: float, count: int) -> None:
+        """Merge one chunk's already-reduced statistics."""
+        self.max_abs = max(self.max_abs, max_abs)
+        self.sq_err += sq_err
+        self.sq_ref += sq_ref
+        self.count += count
+
+    @property
+    def rms(self) -> float:
+        return (self.sq_err / self.count) ** 0.5 if self.count else 0.0
+
+    @property
+    def rel_rms(self) -> float:
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
 
 
 # --- the fast path: fused kernels, mapped reads, overlapped stages --------------------
