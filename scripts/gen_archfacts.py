@@ -28,15 +28,15 @@ def main() -> None:
     from transformers.models.auto import modeling_auto as ma
 
     from embedq.jobs import archfacts
-    classes: dict[str, str] = {}
+    classes: dict[tuple[str, str], None] = {}
     for mapping in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
                     "MODEL_FOR_MASKED_LM_MAPPING_NAMES"):
         for mt, names in getattr(ma, mapping, {}).items():
             for n in (names if isinstance(names, (list, tuple)) else [names]):
-                classes.setdefault(n, mt)
+                classes[(n, mt)] = None
     out: dict[str, dict] = {}
     t0 = time.time()
-    for name, mt in sorted(classes.items()):
+    for name, mt in sorted(classes):
         try:
             f = archfacts.compute_facts({"architectures": [name], "model_type": mt}, allow_skeleton=False)
         except Exception:

@@ -187,7 +187,8 @@ def looks_like_hub_id(spec: str | os.PathLike) -> bool:
 class HubCheckpoint(Checkpoint):
     """A Hub repository seen as a :class:`Checkpoint`, without its weights.
 
-    Reads config.json (and the shard index when sharded) through huggingface_hub, and
+    Reads config.json (and the shard index when sharded) with huggingface_hub's session and
+    auth headers (``build_hf_headers``; nothing is cached), and
     each shard's safetensors header with two HTTP Range requests (8 bytes of length,
     then exactly the header): no byte of tensor data is ever requested. Honors
     ``HF_ENDPOINT``, ``HF_TOKEN`` and the usual huggingface_hub settings.
@@ -211,15 +212,42 @@ def _hub_error(repo_id: str, what: str, e: Exception) -> CheckpointError:
     return CheckpointError(f"{repo_id}: cannot read {what} from the Hub ({type(e).__name__}: {e})")
 
 
+def _hub_request(repo_id: str, file: str, revision, token, method: str = "GET",
+                 byte_range: tuple[int, int] | None = None):
+    from urllib.parse import quote
+
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.utils import build_hf_headers
+    # The resolve URL as hf_hub_url builds it, on the endpoint configured now (HF_ENDPOINT).
+    url = (f"{constants.ENDPOINT.rstrip('/')}/{repo_id}/resolve/"
+           f"{quote(revision or constants.DEFAULT_REVISION, safe='')}/{quote(file)}")
+    headers = build_hf_headers(token=token)
+    if byte_range is not None:
+        headers["range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+    return get_session().request(method, url, headers=headers, follow_redirects=True,
+                                 timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
 def _hub_range(repo_id: str, file: str, revision, token, start: int, end: int) -> bytes:
-    from huggingface_hub import constants, get_session, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
-    url = hf_hub_url(repo_id, file, revision=revision, endpoint=constants.ENDPOINT)
-    headers = {**build_hf_headers(token=token), "range": f"bytes={start}-{end}"}
-    r = get_session().get(url, headers=headers, follow_redirects=True,
-                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    from huggingface_hub.utils import hf_raise_for_status
+    r = _hub_request(repo_id, file, revision, token, byte_range=(start, end))
     hf_raise_for_status(r)
     return r.content[: end - start + 1]
+
+
+def _hub_exists(repo_id: str, file: str, revision, token) -> bool:
+    from huggingface_hub.utils import hf_raise_for_status
+    try:
+        r = _hub_request(repo_id, file, revision, token, method="HEAD")
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if r.status_code == 404 and r.headers.get("X-Error-Code") == "EntryNotFound":
+        return False
+    try:
+        hf_raise_for_status(r)
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    return True
 
 
 def _hub_header(repo_id: str, file: str, revision, token) -> tuple[int, dict]:
@@ -255,25 +283,26 @@ def _hub_header(repo_id: str, file: str, revision, token) -> tuple[int, dict]:
 
 
 def _hub_json(repo_id: str, file: str, revision, token) -> dict:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import hf_raise_for_status
     try:
-        local = hf_hub_download(repo_id, file, revision=revision, token=token)
+        r = _hub_request(repo_id, file, revision, token)
+        hf_raise_for_status(r)
+        data = json.loads(r.content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{repo_id}/{file}: not valid JSON") from None
     except Exception as e:
         raise _hub_error(repo_id, file, e) from None
-    return read_json(Path(local))
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{repo_id}/{file}: expected a JSON object")
+    return data
 
 
 def open_hub(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> HubCheckpoint:
     """Open a Hub model repository header-only: config.json, the index if sharded, and
     the safetensors headers of its shards (fetched lazily, by HTTP Range). No weights."""
-    from huggingface_hub import HfApi
-    api = HfApi()
     config = _hub_json(repo_id, CONFIG_NAME, revision, token)
-    try:
-        sharded = api.file_exists(repo_id, INDEX_NAME, revision=revision, token=token)
-        single = not sharded and api.file_exists(repo_id, SINGLE_NAME, revision=revision, token=token)
-    except Exception as e:
-        raise _hub_error(repo_id, "the file list", e) from None
+    sharded = _hub_exists(repo_id, INDEX_NAME, revision, token)
+    single = not sharded and _hub_exists(repo_id, SINGLE_NAME, revision, token)
     label = repo_id if revision is None else f"{repo_id}@{revision}"
     if sharded:
         index = _hub_json(repo_id, INDEX_NAME, revision, token)
