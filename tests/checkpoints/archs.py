@@ -79,10 +79,11 @@ def build_tiny(class_name: str, model_type: str, path: Path, tie: bool | None = 
         if tie is not None:
             c.tie_word_embeddings = tie
     cls = getattr(tf, class_name)
-    model = cls(cfg)
-    n = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):  # count first: a config the shrinking missed can be huge
+        n = sum(p.numel() for p in cls(cfg).parameters())
     if n > MAX_PARAMS:
         raise RuntimeError(f"{class_name}: tiny build still has {n / 1e6:.0f}M parameters")
+    model = cls(cfg)
     model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     return path
