@@ -207,11 +207,11 @@ def tied_pair(cls) -> tuple[str, str] | None:
 def skeleton(cls, config: dict):
     """The model built on the meta device (no weights), or None."""
     try:
-        from accelerate import init_empty_weights
+        import torch
         cfg = hf_config(config)
         if cfg is None:
             return None
-        with _quiet(), init_empty_weights():
+        with _quiet(), torch.device("meta"):
             return cls._from_config(cfg) if hasattr(cls, "_from_config") else cls(cfg)
     except Exception:
         return None
