@@ -28,10 +28,11 @@ def quantize(path, bits: int = 8, **kwargs) -> Report:
     return quantize_checkpoint(path, bits, **kwargs)
 
 
-def inspect(path) -> dict:
-    """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint."""
+def inspect(path, revision: str | None = None) -> dict:
+    """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint folder or a
+    Hub id (``org/name``: config.json and safetensors headers only, no weights)."""
     from embedq.jobs.inspect import inspect_checkpoint
-    return inspect_checkpoint(path)
+    return inspect_checkpoint(path, revision=revision)
 
 
 def remove(path) -> list[str]:

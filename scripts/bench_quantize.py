@@ -341,6 +341,56 @@ def run_peer(work: Path, gemma: Path, repeat: int, inductor_cache: Path) -> list
 
 # --- main ---------------------------------------------------------------------------------
 
+STARTUP_PROBE = r"""
+import os, sys, time
+t0 = float(sys.argv[1])
+import embedq.jobs.overlay as ov
+first = []
+orig = ov.stream_module
+def stream_module(*a, **k):
+    if not first:
+        first.append(time.time())
+    return orig(*a, **k)
+ov.stream_module = stream_module
+from embedq.jobs.quantize import quantize_checkpoint
+quantize_checkpoint(sys.argv[2], 8, force=True, progress=False)
+print(f"{first[0] - t0:.3f} {time.time() - t0:.3f}")
+"""
+
+
+def run_startup(gemma: Path, work: Path, repeat: int) -> dict:
+    """Start-up costs on the Gemma 3 270M checkpoint, each in a fresh process:
+    ``embedq inspect`` (the console command, wall), ``embedq quantize`` from process start
+    to its first chunk (the CLI's environment: EMBEDQ_NO_TRANSFORMERS=1), and, for scale,
+    a bare ``import torch``. The load average is recorded with them: on a loaded machine
+    the numbers are the machine's as much as embedq's."""
+    from embedq.format.files import link_checkpoint
+    exe = Path(sys.executable).with_name("embedq")
+    ck = link_checkpoint(gemma, work / "gemma3-startup")
+    env = {**os.environ, "EMBEDQ_NO_TRANSFORMERS": "1"}
+    out: dict = {"load_avg_before": os.getloadavg(), "inspect_s": [], "quantize_first_chunk_s": [],
+                 "quantize_total_s": [], "import_torch_s": []}
+    for _ in range(repeat):
+        r = run_measured([str(exe), "inspect", str(ck)], env=env)
+        if r["rc"] != 0:
+            raise SystemExit(f"embedq inspect failed:\n{r['stderr'][-2000:]}")
+        out["inspect_s"].append(r["wall_s"])
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-c", STARTUP_PROBE, repr(t0), str(ck)], env=env,
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"quantize start-up probe failed:\n{p.stderr[-2000:]}")
+        first, total = map(float, p.stdout.split()[-2:])
+        out["quantize_first_chunk_s"].append(first)
+        out["quantize_total_s"].append(total)
+        embedq_remove(ck)
+        r = run_measured([sys.executable, "-c", "import torch"])
+        out["import_torch_s"].append(r["wall_s"])
+    out["load_avg_after"] = os.getloadavg()
+    shutil.rmtree(ck, ignore_errors=True)
+    return out
+
+
 def machine() -> dict:
     import torch
     cpu = platform.processor()
@@ -375,6 +425,9 @@ def main() -> None:
     ap.add_argument("--peer-repeat", type=int, default=1)
     ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated subset of: " + ", ".join(SCHEMES))
     ap.add_argument("--out", type=Path, default=REPO / "bench-results")
+    ap.add_argument("--skip-startup", action="store_true", help="no start-up section")
+    ap.add_argument("--startup-only", action="store_true", help="only the start-up section")
+    ap.add_argument("--startup-repeat", type=int, default=3)
     args = ap.parse_args()
 
     spec = SMALL if args.small else FULL
@@ -384,7 +437,25 @@ def main() -> None:
     log(f"machine: {result['machine']}")
     tmp_caches = Path(tempfile.mkdtemp(prefix="embedq-bench-inductor-"))
     out_lines = []
+    if args.startup_only:
+        args.skip_synthetic = args.skip_peer = True
     try:
+        if not args.skip_startup:
+            sys.path.insert(0, str(REPO / "scripts"))
+            from make_gemma3_fixture import ensure_gemma3_270m
+            st = run_startup(Path(ensure_gemma3_270m()), root, args.startup_repeat)
+            result["startup"] = st
+            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            rows = [[name, f"{min(st[k]):.2f}", f"{med(st[k]):.2f}", f"{max(st[k]):.2f}", goal]
+                    for name, k, goal in [
+                        ("embedq inspect (wall)", "inspect_s", "<= 2"),
+                        ("embedq quantize: start -> first chunk", "quantize_first_chunk_s", "<= 3"),
+                        ("embedq quantize: whole run", "quantize_total_s", ""),
+                        ("python -c 'import torch' (for scale)", "import_torch_s", "")]]
+            out_lines += [f"Start-up on Gemma 3 270M, fresh process each, {args.startup_repeat} runs; "
+                          f"load average {st['load_avg_before'][0]:.2f} before, "
+                          f"{st['load_avg_after'][0]:.2f} after",
+                          fmt_table(rows, ["step", "min s", "median s", "max s", "goal s"]), ""]
         if not args.skip_synthetic:
             ckpt = synthesize(spec, root)
             embedq_remove(ckpt)

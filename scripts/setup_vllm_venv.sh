@@ -44,32 +44,28 @@ else
     log "vllm installed in $(( $(date +%s) - start ))s; venv size $(du -sh "$VENV" | cut -f1)"
 fi
 
-# embedq itself, editable, without letting its own dependency ranges move vLLM's pins
-# (embedq's pyproject pins the CPU torch of the main environment).
-if ! out=$("$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" 2>&1); then
+# embedq itself, editable, with its dependencies, holding vLLM's own pins fixed: embedq's
+# pyproject.toml states ranges (torch>=2.13,<3, transformers>=5.20,<6) that vLLM's torch
+# and transformers satisfy, and the constraints below make pip keep them (never a CPU or
+# newer torch in place of vLLM's). Checked after the install: torch must be unchanged.
+TORCH_BEFORE=$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+CONSTRAINTS="$VENV/.embedq-constraints.txt"
+"$PY" -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|numpy|safetensors|huggingface.hub|tokenizers)==' \
+    > "$CONSTRAINTS"
+STAMP="$VENV/.embedq-deps.$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
+if [[ ! -f "$STAMP" ]]; then
+    log "installing embedq (editable) and its dependencies, vLLM's pins held"
+    "$PY" -m pip install -q -c "$CONSTRAINTS" -e "$REPO" pytest >&2
+    rm -f "$VENV"/.embedq-deps.*
+    touch "$STAMP"
+elif ! out=$("$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" 2>&1); then
     echo "$out" >&2
     "$PY" -m pip install -q --no-deps -e "$REPO" >&2
 fi
-# What embedq needs that vLLM did not bring, with vLLM's torch/transformers held fixed;
-# pytest for the tests. A stamp of pyproject.toml skips this when nothing changed.
-STAMP="$VENV/.embedq-deps.$(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
-if [[ ! -f "$STAMP" ]]; then
-    CONSTRAINTS="$VENV/.embedq-constraints.txt"
-    "$PY" -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|numpy|safetensors|huggingface.hub|tokenizers)==' \
-        > "$CONSTRAINTS"
-    mapfile -t DEPS < <("$PY" - "$REPO/pyproject.toml" <<'PYEOF'
-import re, sys, tomllib
-deps = tomllib.load(open(sys.argv[1], "rb"))["project"].get("dependencies", [])
-for d in deps:
-    name = re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower()
-    if name not in ("torch", "transformers", "numpy", "safetensors", "huggingface_hub", "huggingface-hub"):
-        print(d)
-PYEOF
-)
-    log "embedq dependencies: ${DEPS[*]:-none} (+ pytest)"
-    "$PY" -m pip install -q -c "$CONSTRAINTS" "${DEPS[@]}" pytest >&2
-    rm -f "$VENV"/.embedq-deps.*
-    touch "$STAMP"
+TORCH_AFTER=$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+if [[ "$TORCH_BEFORE" != "$TORCH_AFTER" ]]; then
+    log "error: installing embedq changed vLLM's torch ($TORCH_BEFORE -> $TORCH_AFTER)"
+    exit 1
 fi
 
 echo "$PY"

@@ -10,8 +10,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
 fi
-# torch is pinned (pyproject) to the CPU build that installs from local disk.
-"$VENV/bin/pip" install -q -e ".[test]"
+# pyproject.toml states ranges; constraints/cpu.txt picks the CPU torch build that
+# installs from local disk.
+"$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]"
 "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null
 set +e
 "$VENV/bin/python" -m pytest tests "$@"

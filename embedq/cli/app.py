@@ -90,10 +90,13 @@ def _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_gro
 
 
 @app.command()
-def inspect(model: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+def inspect(model: str = typer.Argument(..., help="Checkpoint folder, or a Hub id (org/name: "
+                                        "config.json and safetensors headers only, no weights)"),
+            revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, tag or commit"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
     """Show targets, tie status and bytes now / after int8 / after Q4."""
     from embedq.jobs.inspect import format_inspect, inspect_checkpoint
-    d = run(inspect_checkpoint, model)
+    d = run(inspect_checkpoint, model, revision=revision)
     typer.echo(json.dumps(d, indent=2) if as_json else format_inspect(d))
 
 

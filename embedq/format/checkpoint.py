@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,3 +168,162 @@ class Checkpoint:
 
     def existing_quantization_config(self) -> dict | None:
         return self.config.get("quantization_config")
+
+
+# ---------------------------------------------------------------------------------------
+# A checkpoint on the Hugging Face Hub, read header-only
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def looks_like_hub_id(spec: str | os.PathLike) -> bool:
+    """``org/name`` that is not an existing local path."""
+    s = str(spec)
+    return bool(HUB_ID.match(s)) and not Path(s).exists()
+
+
+@dataclass
+class HubCheckpoint(Checkpoint):
+    """A Hub repository seen as a :class:`Checkpoint`, without its weights.
+
+    Reads config.json (and the shard index when sharded) with huggingface_hub's session and
+    auth headers (``build_hf_headers``; nothing is cached), and
+    each shard's safetensors header with two HTTP Range requests (8 bytes of length,
+    then exactly the header): no byte of tensor data is ever requested. Honors
+    ``HF_ENDPOINT``, ``HF_TOKEN`` and the usual huggingface_hub settings.
+    ``tensors_identical`` would need the data, so it answers None (unknown).
+    """
+
+    repo_id: str = ""
+    revision: str | None = None
+    token: str | bool | None = None
+
+    def header(self, file: str) -> tuple[int, dict]:
+        if file not in self._headers:
+            self._headers[file] = _hub_header(self.repo_id, file, self.revision, self.token)
+        return self._headers[file]
+
+    def tensors_identical(self, a: str, b: str):  # type: ignore[override]
+        return None
+
+
+def _hub_error(repo_id: str, what: str, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{repo_id}: cannot read {what} from the Hub ({type(e).__name__}: {e})")
+
+
+def _hub_request(repo_id: str, file: str, revision, token, method: str = "GET",
+                 byte_range: tuple[int, int] | None = None):
+    from urllib.parse import quote
+
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.utils import build_hf_headers
+    # The resolve URL as hf_hub_url builds it, on the endpoint configured now (HF_ENDPOINT).
+    url = (f"{constants.ENDPOINT.rstrip('/')}/{repo_id}/resolve/"
+           f"{quote(revision or constants.DEFAULT_REVISION, safe='')}/{quote(file)}")
+    headers = build_hf_headers(token=token)
+    if byte_range is not None:
+        headers["range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+    return get_session().request(method, url, headers=headers, follow_redirects=True,
+                                 timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+def _hub_range(repo_id: str, file: str, revision, token, start: int, end: int) -> bytes:
+    from huggingface_hub.utils import hf_raise_for_status
+    r = _hub_request(repo_id, file, revision, token, byte_range=(start, end))
+    hf_raise_for_status(r)
+    return r.content[: end - start + 1]
+
+
+def _hub_exists(repo_id: str, file: str, revision, token) -> bool:
+    from huggingface_hub.utils import hf_raise_for_status
+    try:
+        r = _hub_request(repo_id, file, revision, token, method="HEAD")
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if r.status_code == 404 and r.headers.get("X-Error-Code") == "EntryNotFound":
+        return False
+    try:
+        hf_raise_for_status(r)
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    return True
+
+
+def _hub_header(repo_id: str, file: str, revision, token) -> tuple[int, dict]:
+    where = f"{repo_id}/{file}"
+    try:
+        raw = _hub_range(repo_id, file, revision, token, 0, 7)
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if len(raw) < 8:
+        raise CheckpointError(f"{where}: truncated safetensors file (no header)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > 100 * 1024 * 1024:
+        raise CheckpointError(f"{where}: corrupt safetensors header (length {n})")
+    try:
+        body = _hub_range(repo_id, file, revision, token, 8, 8 + n - 1)
+        header = json.loads(body)
+    except CheckpointError:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{where}: corrupt safetensors header (not JSON)") from None
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: corrupt safetensors header")
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        try:
+            v["data_offsets"][1], v["dtype"], v["shape"]
+        except (KeyError, TypeError, IndexError):
+            raise CheckpointError(f"{where}: corrupt safetensors header entry {k!r}") from None
+    return n, header
+
+
+def _hub_json(repo_id: str, file: str, revision, token) -> dict:
+    from huggingface_hub.utils import hf_raise_for_status
+    try:
+        r = _hub_request(repo_id, file, revision, token)
+        hf_raise_for_status(r)
+        data = json.loads(r.content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{repo_id}/{file}: not valid JSON") from None
+    except Exception as e:
+        raise _hub_error(repo_id, file, e) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{repo_id}/{file}: expected a JSON object")
+    return data
+
+
+def open_hub(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> HubCheckpoint:
+    """Open a Hub model repository header-only: config.json, the index if sharded, and
+    the safetensors headers of its shards (fetched lazily, by HTTP Range). No weights."""
+    config = _hub_json(repo_id, CONFIG_NAME, revision, token)
+    sharded = _hub_exists(repo_id, INDEX_NAME, revision, token)
+    single = not sharded and _hub_exists(repo_id, SINGLE_NAME, revision, token)
+    label = repo_id if revision is None else f"{repo_id}@{revision}"
+    if sharded:
+        index = _hub_json(repo_id, INDEX_NAME, revision, token)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{repo_id}/{INDEX_NAME}: missing or empty weight_map")
+        weight_map = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+        return HubCheckpoint(Path(label), config, True, weight_map, index, repo_id=repo_id,
+                             revision=revision, token=token)
+    if not single:
+        raise CheckpointError(f"{repo_id}: no {SINGLE_NAME} or {INDEX_NAME} on the Hub "
+                              "(embedq needs safetensors weights)")
+    ck = HubCheckpoint(Path(label), config, False, {}, None, repo_id=repo_id, revision=revision,
+                       token=token)
+    ck.weight_map = {k: SINGLE_NAME for k in ck.header(SINGLE_NAME)[1] if k != "__metadata__"}
+    return ck
+
+
+def open_checkpoint(spec: str | os.PathLike, revision: str | None = None,
+                    token: str | bool | None = None) -> Checkpoint:
+    """A local checkpoint folder, or a Hub id (``org/name``) read header-only."""
+    if looks_like_hub_id(spec):
+        return open_hub(str(spec), revision=revision, token=token)
+    return Checkpoint.open(spec)

@@ -34,7 +34,13 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst`` (same bytes, no space); copy across filesystems."""
+    """Hard-link ``src`` to ``dst`` (same bytes, no space); copy across filesystems.
+
+    A symlinked ``src`` (a Hugging Face cache snapshot, whose files link into ``blobs/``)
+    is resolved first: ``dst`` is then a real file, never a link that a later write could
+    go through into the shared blob (``os.link`` on a symlink links the symlink itself).
+    """
+    src = Path(os.path.realpath(src))
     try:
         os.link(src, dst)
     except OSError:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from embedq.errors import SchemeError
-from embedq.format.constants import METHODS, SUPPORTED_BITS
-from embedq.format.dtypes import dtype_from_name
+from embedq.format.constants import METHODS, ST_FLOAT_NAMES, SUPPORTED_BITS
 
 
 
@@ -31,8 +30,11 @@ class Scheme:
             raise SchemeError(f"--group-size {self.group_size} must be a positive multiple of 8")
         if self.method not in METHODS:
             raise SchemeError(f"--method {self.method!r} is not supported ({', '.join(METHODS)})")
-        if self.scale_dtype is not None:
-            dtype_from_name(self.scale_dtype)
+        # Checked against the names, not torch's dtypes: a Scheme is built without torch
+        # (inspect, plan).
+        if self.scale_dtype is not None and self.scale_dtype not in ST_FLOAT_NAMES.values():
+            raise SchemeError(f"unsupported dtype {self.scale_dtype!r} "
+                              f"(expected one of {sorted(ST_FLOAT_NAMES.values())})")
 
     @classmethod
     def default(cls, bits: int, symmetric: bool = True, group_size: int | None = None,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from embedq.format.checkpoint import Checkpoint
-from embedq.jobs.targets import find_targets
-from embedq.format.dtypes import ST_TO_TORCH
+from embedq.format.checkpoint import HubCheckpoint, open_checkpoint
+from embedq.format.constants import ST_FLOAT_NAMES
 from embedq.format.scheme import Scheme
+from embedq.jobs.targets import find_targets
 
 
 def _size(shape, scheme: Scheme, src_bytes: int) -> int | None:
@@ -18,9 +18,15 @@ def _size(shape, scheme: Scheme, src_bytes: int) -> int | None:
     return scheme.overlay_bytes(shape, src_bytes)
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict:
-    """Targets found, tie status and bytes now / after int8 / after Q4 g32 per tensor."""
-    ckpt = Checkpoint.open(path)
+def inspect_checkpoint(path: str | os.PathLike, revision: str | None = None) -> dict:
+    """Targets found, tie status and bytes now / after int8 / after Q4 g32 per tensor.
+
+    ``path`` is a checkpoint folder or a Hub id (``org/name``, read header-only: config.json
+    and safetensors headers, no weights; ``revision`` picks a branch, tag or commit).
+    Imports neither torch nor transformers when the model class's facts are cached
+    (:mod:`embedq.jobs.archfacts`).
+    """
+    ckpt = open_checkpoint(path, revision=revision)
     t, tied_cfg = find_targets(ckpt)
     names = [("embedding", t.embedding)]
     if t.head:
@@ -29,7 +35,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
     rows = []
     for role, n in names:
         info = ckpt.tensor(n)
-        isz = ST_TO_TORCH[info.dtype].itemsize if info.dtype in ST_TO_TORCH else 0
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        isz = info.nbytes // numel if info.dtype in ST_FLOAT_NAMES and numel else 0
         rows.append({
             "role": role, "tensor": n, "file": info.file, "shape": list(info.shape), "dtype": info.dtype,
             "bytes": info.nbytes,
@@ -39,7 +48,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
     identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
     qc = ckpt.existing_quantization_config()
     return {
-        "path": str(ckpt.path), "sharded": ckpt.sharded, "files": len(ckpt.files()),
+        "path": str(ckpt.path), "hub": isinstance(ckpt, HubCheckpoint), "sharded": ckpt.sharded, "files": len(ckpt.files()),
         "targets_from": t.source, "config_tie_word_embeddings": tied_cfg,
         "head_tensor": t.head, "head_module": t.head_module, "head_identical": identical,
         "tensors": rows,
@@ -50,7 +59,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
 def format_inspect(d: dict) -> str:
     lines = [f"{d['path']}: {d['files']} weight file(s), targets from {d['targets_from']}",
              f"tie_word_embeddings={d['config_tie_word_embeddings']} head tensor={d['head_tensor'] or '(none)'}"
-             + ("" if d["head_identical"] is None else f" identical={d['head_identical']}")]
+             + ("" if d["head_identical"] is None else f" identical={d['head_identical']}")
+            + (f" head module={d['head_module']}" if d.get("head_module") and not d["head_tensor"] else "")]
     if d["existing_quantization"]:
         lines.append(f"existing quantization: {d['existing_quantization']}")
     fmt = "{:<10} {:<42} {:<14} {:<5} {:>10} {:>10} {:>10}"

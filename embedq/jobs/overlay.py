@@ -72,7 +72,7 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
     emb_mod = _strip_weight(t.embedding)
     plans = [ModulePlan(emb_mod, t.embedding, scheme, "embedding")]
     aliases: dict[str, str] = {}
-    if tied:
+    if tied and t.head_module is not None:
         if head_scheme is not None and head_scheme != scheme:
             # An explicit, recorded untie in quantized form: the head gets its own
             # (higher-precision) table computed from the shared float table.

@@ -1,22 +1,28 @@
 """Finding the embedding and head tensors of a checkpoint, and how they are tied.
 
-Targets come from the model skeleton built on the meta device (no weights):
-transformers' ``get_input_embeddings()`` / ``get_output_embeddings()``, mapped to
-checkpoint tensor names. Name patterns are only the fallback for architectures
-transformers cannot build.
+Targets come from what transformers states about the model class
+(:mod:`embedq.jobs.archfacts`): the tied parameter pair ``_tied_weights_keys`` (head ->
+input embedding), and how ``save_pretrained`` spells them, through transformers'
+checkpoint conversion mapping (GPT-NeoX's head module ``lm_head`` is saved as
+``embed_out.weight``). Those facts are cached, so the common case reads config.json and
+the checkpoint's keys and imports neither torch nor transformers. Only when the
+checkpoint's keys match none of the known spellings (another layout, a class without
+``_tied_weights_keys``) is the model built on the meta device, every checkpoint key
+renamed exactly as ``from_pretrained`` does, and the keys landing on the input / output
+embedding taken. Name patterns are the last resort, for classes transformers cannot build.
+
+Overlay module names follow the checkpoint's layout (its key minus ``.weight``): vLLM reads
+checkpoint names, and the transformers back end maps them to its modules.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import re
-import warnings
 from dataclasses import dataclass, field
 
 from embedq.errors import CheckpointError, TieError
 from embedq.format.checkpoint import Checkpoint
+from embedq.jobs import archfacts
 
 EMBED_PATTERNS = (r"(^|\.)embed_tokens\.weight$", r"(^|\.)wte\.weight$", r"(^|\.)embed_in\.weight$",
                   r"(^|\.)word_embeddings\.weight$", r"(^|\.)tok_embeddings\.weight$")
@@ -30,91 +36,119 @@ class Targets:
 
     embedding: str
     head: str | None  # the head tensor if the checkpoint has a distinct one
-    head_module: str  # module name of the output projection (even when tied)
+    head_module: str | None  # module name of the output projection (even when tied);
+    # None: the model class has no output embedding (an encoder such as BertModel)
     tied: bool
     extra_embeddings: list[str] = field(default_factory=list)  # MTP/draft embedding tensors
-    source: str = "skeleton"  # skeleton | patterns | override
+    source: str = "transformers"  # transformers (class facts) | skeleton | patterns | override
 
 
 def _is_mtp(name: str) -> bool:
     return any(m in name for m in MTP_MARKERS) or re.search(r"(^|\.)mtp(\.|_)", name) is not None
 
 
-def _module_names_from_skeleton(config: dict) -> tuple[str, str | None] | None:
-    """Module names of the input / output embedding in a meta-device skeleton."""
+def _matches(ckpt: Checkpoint, spellings: list[str], prefix: str) -> list[str]:
+    """Checkpoint keys among ``spellings`` (each also with ``base_model_prefix`` added or
+    stripped, as ``from_pretrained`` does), best first, without duplicates."""
+    out: list[str] = []
+    for c in spellings:
+        variants = [c]
+        if prefix:
+            variants.append(c[len(prefix) + 1:] if c.startswith(prefix + ".") else f"{prefix}.{c}")
+        for v in variants:
+            if ckpt.has(v) and v not in out and not _is_mtp(v):
+                out.append(v)
+    return out
+
+
+def _from_facts(ckpt: Checkpoint, f: dict) -> tuple[str, str | None, str | None] | None:
+    """``(embedding key, head key or None, head module)`` from cached class facts, or None
+    when the checkpoint's keys do not decide it (then transformers renames them)."""
+    emb_param, head_param = f.get("embedding"), f.get("head")
+    spell = f.get("spellings") or {}
+    prefix = f.get("base_model_prefix") or ""
+    if not emb_param:
+        return None
+    embs = _matches(ckpt, spell.get(emb_param, [emb_param]), prefix)
+    if len(embs) != 1:
+        return None
+    if not head_param:
+        return embs[0], None, None
+    head_spellings = spell.get(head_param, [head_param])
+    heads = _matches(ckpt, head_spellings, prefix)
+    if len(heads) > 1:
+        return None
+    if heads:
+        return embs[0], heads[0], heads[0][: -len(".weight")]
+    # No head tensor (tied, or a missing head): name the head module in the checkpoint's
+    # layout. A checkpoint in the module tree's own layout (its embedding key is the module
+    # parameter, and the saved spelling differs) names it as the module; otherwise as
+    # save_pretrained spells it.
+    emb_spell = spell.get(emb_param, [emb_param])
+    if embs[0] == emb_param and len(emb_spell) > 1:
+        head = head_spellings[0]
+    else:
+        head = head_spellings[min(1, len(head_spellings) - 1)]
+    return embs[0], None, head[: -len(".weight")]
+
+
+def _from_transformers(ckpt: Checkpoint) -> tuple[str, str | None, str | None] | None:
+    """Build the meta-device skeleton and rename every checkpoint key as
+    ``from_pretrained`` does (transformers' conversion mapping, base-model prefix);
+    the keys landing on the input / output embedding are the targets."""
     try:
-        import torch  # noqa: F401
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-        try:
-            from transformers import AutoModelForImageTextToText
-        except ImportError:  # pragma: no cover
-            AutoModelForImageTextToText = None
-        cfg_cls_input = dict(config)
-        cfg_cls_input.pop("quantization_config", None)
-        model_type = cfg_cls_input.pop("model_type", None)
-        if model_type is None:
-            return None
-        cfg = AutoConfig.for_model(model_type, **cfg_cls_input)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
     except Exception:
         return None
-    builders = [AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel]
-    model = None
-    for b in builders:
-        if b is None:
-            continue
-        try:
-            # Quiet: transformers logs warnings about unused config keys.
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-                warnings.simplefilter("ignore")
-                logging.disable(logging.WARNING)
-                try:
-                    with init_empty_weights():
-                        model = b.from_config(cfg)
-                finally:
-                    logging.disable(logging.NOTSET)
-            break
-        except Exception:
-            continue
+    try:
+        cls = archfacts.model_class(ckpt.config)
+    except Exception:
+        return None
+    if cls is None:
+        return None
+    model = archfacts.skeleton(cls, ckpt.config)
     if model is None:
         return None
-    try:
-        inp = model.get_input_embeddings()
-    except Exception:
+    in_mod, out_mod = archfacts.io_modules(model)
+    if in_mod is None:
         return None
     try:
-        out = model.get_output_embeddings()
+        conv = get_model_conversion_mapping(model)
     except Exception:
-        out = None
-    names = {id(m): n for n, m in model.named_modules()}
-    in_name = names.get(id(inp)) if inp is not None else None
-    out_name = names.get(id(out)) if out is not None else None
-    if in_name is None:
+        conv = []
+    converters = [t for t in conv if isinstance(t, WeightConverter)]
+    renamings = [t for t in conv if not isinstance(t, WeightConverter)]
+    meta = dict(model.state_dict())
+    emb = head = None
+    for key in ckpt.weight_map:
+        if _is_mtp(key):
+            continue
+        try:
+            name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        except Exception:
+            continue
+        if name == in_mod + ".weight" and emb is None:
+            emb = key
+        elif out_mod and name == out_mod + ".weight" and head is None:
+            head = key
+    if emb is None:
         return None
-    return in_name, out_name
-
-
-def _map_to_checkpoint(ckpt: Checkpoint, module: str) -> str | None:
-    """Map a transformers module name to the checkpoint's tensor name.
-
-    Checkpoint keys may use an older layout than the module tree
-    (``language_model.model.embed_tokens`` vs ``model.language_model.embed_tokens``),
-    so match the longest unambiguous suffix.
-    """
-    exact = module + ".weight"
-    if ckpt.has(exact):
-        return exact
-    parts = exact.split(".")
-    for k in range(len(parts), 1, -1):
-        suffix = ".".join(parts[-k:])
-        hits = [n for n in ckpt.weight_map if (n == suffix or n.endswith("." + suffix)) and not _is_mtp(n)]
-        if len(hits) == 1:
-            return hits[0]
-        if len(hits) > 1:
-            lm = [h for h in hits if "language_model" in h or "text" in h]
-            if len(lm) == 1:
-                return lm[0]
-    return None
+    if head is not None:
+        return emb, head, head[: -len(".weight")]
+    if out_mod is None:
+        return emb, None, None
+    # Absent head: its saved spelling (the reversed renamings), in the embedding's layout.
+    head_module = out_mod
+    try:
+        spell = archfacts.saved_spellings(out_mod + ".weight",
+                                          archfacts.root_renamings(cls, ckpt.config.get("model_type")))
+        head_module = spell[min(1, len(spell) - 1)][: -len(".weight")]
+    except Exception:
+        pass
+    if emb != in_mod + ".weight":
+        head_module = _default_head_module(emb, head_module)
+    return emb, None, head_module
 
 
 def _by_patterns(ckpt: Checkpoint, patterns) -> list[str]:
@@ -128,14 +162,16 @@ def config_tie_flag(ckpt: Checkpoint) -> bool:
         return bool(tc["tie_word_embeddings"])
     if "tie_word_embeddings" in ckpt.config:
         return bool(ckpt.config["tie_word_embeddings"])
-    try:
-        from transformers import AutoConfig
-        cfg = dict(ckpt.config)
-        cfg.pop("quantization_config", None)
-        c = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        return bool(getattr(c.get_text_config(), "tie_word_embeddings", True))
-    except Exception:
-        return True  # PretrainedConfig's default
+    f = archfacts.cached_facts(ckpt.config)
+    if f is not None and f.get("tie_default") is not None:
+        return bool(f["tie_default"])
+    cfg = archfacts.hf_config(ckpt.config)
+    if cfg is not None:
+        try:
+            return bool(getattr(cfg.get_text_config(), "tie_word_embeddings", True))
+        except Exception:
+            pass
+    return True  # PretrainedConfig's default
 
 
 def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[Targets, bool]:
@@ -149,17 +185,17 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         head_module = head[: -len(".weight")] if head else "lm_head"
         return Targets(emb, head, head_module, head is None and tied_cfg, [], "override"), tied_cfg
 
-    emb = head = None
-    head_module = None
-    source = "skeleton"
-    names = _module_names_from_skeleton(ckpt.config)
-    if names:
-        in_mod, out_mod = names
-        emb = _map_to_checkpoint(ckpt, in_mod)
-        head_module = out_mod
-        if out_mod:
-            head = _map_to_checkpoint(ckpt, out_mod)
-    if emb is None:
+    found = None
+    source = "transformers"
+    f = archfacts.facts(ckpt.config, allow_skeleton=True)
+    if f is not None:
+        found = _from_facts(ckpt, f)
+    if found is None:
+        found = _from_transformers(ckpt)
+        source = "skeleton"
+    if found is not None:
+        emb, head, head_module = found
+    else:
         source = "patterns"
         hits = _by_patterns(ckpt, EMBED_PATTERNS)
         if len(hits) != 1:
@@ -170,14 +206,9 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         emb = hits[0]
         heads = _by_patterns(ckpt, HEAD_PATTERNS)
         head = heads[0] if len(heads) == 1 else None
+        head_module = head[: -len(".weight")] if head else _default_head_module(emb, "lm_head")
     if head == emb:
         head = None
-    if head is not None:
-        head_module = head[: -len(".weight")]
-    elif head_module is None or (names and emb != names[0] + ".weight"):
-        # The checkpoint uses another layout than the module tree: name the
-        # (absent, tied) head in the checkpoint's layout, as back ends see it.
-        head_module = _default_head_module(emb)
     extras = []
     emb_shape = ckpt.tensor(emb).shape
     for n in ckpt.weight_map:
@@ -187,12 +218,13 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
     return Targets(emb, head, head_module, tied_cfg, sorted(extras), source), tied_cfg
 
 
-def _default_head_module(emb: str) -> str:
+def _default_head_module(emb: str, head: str) -> str:
+    """The head module in the layout of a checkpoint whose embedding key is ``emb``."""
     if emb.startswith("model.language_model."):
         return "lm_head"
-    if emb.startswith("language_model."):
-        return "language_model.lm_head"
-    return "lm_head"
+    if emb.startswith("language_model.") and "." not in head:
+        return "language_model." + head
+    return head
 
 
 def resolve_ties(targets: Targets, tied_cfg: bool, identical: bool | None,
@@ -203,6 +235,8 @@ def resolve_ties(targets: Targets, tied_cfg: bool, identical: bool | None,
     embedding (None when there is no head tensor).
     """
     has_head = targets.head is not None
+    if targets.head_module is None and not has_head:
+        return False  # no output embedding at all (an encoder): nothing to tie
     if tied_cfg and not has_head:
         return True
     if tied_cfg and has_head:

@@ -52,7 +52,9 @@ def register() -> None:
 def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     """Load a checkpoint with an embedq overlay (in place or derived) into transformers.
 
-    ``model_class`` defaults to ``AutoModelForCausalLM`` (falling back to
+    ``model_class`` defaults to the class config.json names in ``architectures`` (as
+    transformers' auto classes resolve it: ``BertModel`` gives hidden states,
+    ``GPTNeoXForCausalLM`` logits), else ``AutoModelForCausalLM`` (falling back to
     ``AutoModelForImageTextToText`` for multimodal configs). Extra keyword arguments go
     to ``from_pretrained`` (``dtype=``, ``device_map=`` ...). The returned model has
     :class:`QuantizedEmbedding` / :class:`QuantizedLMHead` modules and ``generate()``
@@ -64,6 +66,8 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     read_overlay_config(p)  # clear error when there is no overlay
     register()
     import transformers
+    if model_class is None:
+        model_class = _architecture_class(p)
     if model_class is None:
         cfg = transformers.AutoConfig.from_pretrained(str(p))
         model_class = transformers.AutoModelForCausalLM
@@ -81,6 +85,20 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     if not quantized_modules(model):
         raise OverlayError(f"{p}: loaded, but no module was replaced by the overlay")
     return result
+
+
+def _architecture_class(p: Path):
+    """The transformers class named by config.json ``architectures[0]`` (None: not a
+    transformers class, e.g. remote code; the auto classes decide then)."""
+    import transformers
+    try:
+        arch = json.loads((p / CONFIG_NAME).read_text()).get("architectures")
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
+        return None
+    cls = getattr(transformers, arch[0], None)
+    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
 
 
 def _config_quantization(p: Path) -> dict | None:
