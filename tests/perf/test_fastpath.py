@@ -110,6 +110,9 @@ def test_fast_path_matches_reference(bits, group, sym, shape):
         assert torch.equal(got, qt.dequantize(dt, rows=ids.reshape(-1)).view(2, 3, -1))
     every = torch.arange(qt.rows)
     assert torch.equal(p.embedding(every, F32), qt.dequantize(F32))
+    for dt in (BF, F16, F32):  # the block decoder of the chunked logits, incl. its 16-bit shortcut
+        assert torch.equal(p.dequantize_range(0, qt.rows, dt), qt.dequantize(dt))
+        assert torch.equal(p.dequantize_range(65, 130, dt), qt.dequantize(dt, rows=slice(65, 130)))
 
 
 @pytest.mark.parametrize("bits,group,sym", [(8, None, False), (8, 32, True), (4, 32, False), (4, None, True)])
@@ -124,6 +127,7 @@ def test_chunked_fallback_matches_reference(bits, group, sym, monkeypatch):
         for x in _xs(96, seed=3):
             _check_linear(p, qt, x, wabs)
         assert torch.equal(p.embedding(torch.arange(qt.rows), F32), qt.dequantize(F32))
+        assert torch.equal(p.dequantize_range(0, qt.rows, BF), qt.dequantize(BF))
 
 
 def test_tied_one_buffer_from_overlay_tensors():
