@@ -15,16 +15,33 @@ Paths (``PreparedTable.kind``), chosen at prepare time:
 
 * ``int8_row``   8-bit, one scale per row: int8 codes [rows, cols]. CPU bf16 activations:
   ``torch._weight_int8pack_mm``; asymmetric adds the per-row correction
-  ``- s*z*sum(x)``. CUDA: the same op (untested here).
+  ``- s*z*sum(x)``. CUDA: the same op, bf16/fp16 (UNTESTED: no GPU here; an error
+  falls back to chunked dequantization with a warning).
 * ``int8_group`` 8-bit groups: codes stored group-major [groups, rows, g] so each group
   is one contiguous int8 matrix; CPU bf16: one ``_weight_int8pack_mm`` per group,
-  summed in float32 (plus the per-group zero-point correction).
+  summed in float32 (plus the per-group zero-point correction). Correct but SLOW
+  (the op's cost is per row, not per byte: ~4-8x bf16 on the Gemma head, batch 1);
+  an inductor-compiled fused GEMV measured 0.92x bf16 there and is the next step.
 * ``int4_cpu``   4-bit: torch's CPU tinygemm layout
   (``_convert_weight_to_int4pack_for_cpu``) with a ``[groups, rows, 2]`` scale/zero
   tensor in the prepared ``dtype``; ``_weight_int4pack_mm_for_cpu``. Per-row and
   groups larger than 256 are expressed as groups the op supports (scales repeated).
 * ``chunked``    anything else: the on-disk layout, dequantized a bounded chunk of rows
-  at a time (the reference arithmetic). Chosen with a one-time warning naming why.
+  at a time (the reference arithmetic). Chosen with a one-time warning naming why:
+  4-bit on CUDA (tinygemm ``_weight_int4pack_mm``/Triton not wired yet), int8 with
+  columns or groups not a multiple of 16, 4-bit groups not a multiple of 32, scales
+  not exact in the activation dtype, a CPU whose int4 layout is not recognized.
+
+Memory: int8 paths hold exactly the overlay's bytes. int4 holds the kernel's interleaved
+[groups, rows, 2] scale/zero pairs in the activation dtype (4 bytes per group instead of
+2 (+0.5 zero point)) and rows padded to 64: Gemma 270M head g32 100 MiB vs 90 MiB on disk.
+
+Batch size: torch's CPU kernels re-decode the weights for every 4 activation rows, so
+their time grows linearly with the batch (Gemma head, 2 cores: int8 0.5x bf16 at batch
+1, ~1.2x at 8, ~6x at 64; int4 g32 0.3x, ~0.8x, ~4x). Dequantize-then-GEMM does not help
+for prefill here: int8 -> float conversion alone costs ~1 s per 167M elements on this
+torch build. A better prefill path (int8 GEMM with dynamic activation quantization, or a
+compiled kernel) is open.
 
 Activations in another dtype than the fast op handles (on x86 the vectorized CPU
 kernels exist for bf16 only; the fp16/fp32 kernels are scalar loops, ~5-10x slower
