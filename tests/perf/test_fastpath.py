@@ -1,0 +1,207 @@
+"""Every fast path of embedq.format.fastpath against the reference (dequantize, then index / F.linear).
+
+Gathers must be bit-exact (same float32 arithmetic as QuantizedTable.dequantize).
+
+Logits cannot be bit-exact: the kernels accumulate in float32 in another order than
+F.linear and round differently. The bound used (``_bound``), per output element, with
+``u`` the unit roundoff of the activation dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32) and
+``A = |x| @ ((|q| + |zp|) * s)^T`` (>= |x| @ |W|^T, bounds every partial sum):
+  * reference: each weight rounded to the activation dtype (<= u*|w|) -> u*A;
+  * fast path: int4 rounds -zp*s to the activation dtype (<= u*|zp*s|); asymmetric int8
+    rounds s*(x.q) (or each group's partial) to the activation dtype before the float32
+    zero-point correction / group sum -> u*A;
+  * one output rounding each side -> 2u*A;
+  * float32 accumulation in different orders -> K * 2^-24 * A.
+Hence |fast - ref| <= (4u + K*2^-24) * A; the test allows 6u for slack. A second check
+bounds the relative Frobenius error by 2u (typical errors are random, not worst case).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedq.format import fastpath
+from embedq.format.fastpath import PreparedTable
+from embedq.quant.rtn import quantize_rtn
+from embedq.format.scheme import Scheme
+from embedq.format.codec import QuantizedTable
+
+BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+U = {BF: 2.0 ** -8, F16: 2.0 ** -11, F32: 2.0 ** -24}
+
+# (rows, cols): vocab sizes not divisible by any kernel tile; cols=96 gives odd group counts
+SHAPES = [(1000, 256), (4097, 96)]
+SCHEMES = [(b, g, s) for b, g, s in itertools.product((8, 4), (None, 32, 64, 128), (True, False))]
+CASES = [(b, g, s, shape) for (b, g, s), shape in itertools.product(SCHEMES, SHAPES)
+         if g is None or shape[1] % g == 0]
+
+
+@lru_cache(maxsize=None)
+def _table(bits, group, sym, rows, cols, scale_dtype=BF, seed=0) -> QuantizedTable:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))
+    w[0] = 0  # all-zero row: scale 1, code 0
+    w[1] = torch.rand(cols, generator=gen) + 2  # positive only: zero point at qmin
+    q, s, zp = quantize_rtn(w, Scheme(bits=bits, symmetric=sym, group_size=group), scale_dtype)
+    return QuantizedTable.from_codes(q, s, zp, bits, group)
+
+
+def _wabs(qt: QuantizedTable) -> torch.Tensor:
+    q = qt.codes().float().abs()
+    zp = torch.zeros_like(qt.scale, dtype=torch.float32) if qt.zero_point is None else qt.zero_point.float().abs()
+    g = qt.cols if qt.group_size is None else qt.group_size
+    qg = q.reshape(qt.rows, -1, g) + zp.unsqueeze(-1)
+    return (qg * qt.scale.float().unsqueeze(-1)).reshape(qt.rows, qt.cols)
+
+
+def _reference(qt: QuantizedTable, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, qt.dequantize(F32).to(x.dtype))
+
+
+def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: torch.Tensor) -> None:
+    got = p.linear(x)
+    ref = _reference(qt, x)
+    assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], qt.rows)
+    u, k = U[x.dtype], qt.cols
+    a = x.float().abs() @ wabs.t()
+    err = (got.float() - ref.float()).abs()
+    bound = (6 * u + k * 2.0 ** -24) * a + 1e-30
+    worst = (err / bound).max().item()
+    assert worst <= 1, f"{p.describe()} {x.dtype} {tuple(x.shape)}: error {worst:.2f}x the bound"
+    rel = (err.norm() / ref.float().norm().clamp_min(1e-30)).item()
+    assert rel <= 2 * u, f"{p.describe()} {x.dtype}: relative error {rel:.3g} > 2u"
+
+
+def _xs(cols: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    for shape in ((1, cols), (3, cols), (64, cols), (2, 5, cols), (cols,)):
+        x = torch.randn(*shape, generator=gen)
+        for dt in (BF, F16, F32):
+            yield x.to(dt)
+
+
+@pytest.mark.parametrize("bits,group,sym,shape", CASES,
+                         ids=[f"int{b}-{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}"
+                              for b, g, s, (r, c) in CASES])
+def test_fast_path_matches_reference(bits, group, sym, shape):
+    qt = _table(bits, group, sym, *shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every scheme here has a fast path on CPU: no fallback warning
+        p = PreparedTable.from_table(qt)
+    expected = {8: "int8_row" if group is None else "int8_group", 4: "int4_cpu"}[bits]
+    if bits == 4 and fastpath._int4_layout() is None:  # pragma: no cover - exotic CPU
+        expected = "chunked"
+    assert p.kind == expected, p.describe()
+    # memory: the quantized size (int4: + the kernel's interleaved scale/zero pairs and row padding)
+    assert p.nbytes <= qt.nbytes() * 1.3 + 64 * qt.cols, (p.nbytes, qt.nbytes())
+    wabs = _wabs(qt)
+    for x in _xs(qt.cols):
+        _check_linear(p, qt, x, wabs)
+    ids = torch.tensor([[0, 1, qt.rows - 1], [63, 64, 5]])
+    for dt in (BF, F16, F32):
+        got = p.embedding(ids, dt)
+        assert got.shape == (2, 3, qt.cols)
+        assert torch.equal(got, qt.dequantize(dt, rows=ids.reshape(-1)).view(2, 3, -1))
+    every = torch.arange(qt.rows)
+    assert torch.equal(p.embedding(every, F32), qt.dequantize(F32))
+    for dt in (BF, F16, F32):  # the block decoder of the chunked logits, incl. its 16-bit shortcut
+        assert torch.equal(p.dequantize_range(0, qt.rows, dt), qt.dequantize(dt))
+        assert torch.equal(p.dequantize_range(65, 130, dt), qt.dequantize(dt, rows=slice(65, 130)))
+
+
+@pytest.mark.parametrize("bits,group,sym", [(8, None, False), (8, 32, True), (4, 32, False), (4, None, True)])
+def test_chunked_fallback_matches_reference(bits, group, sym, monkeypatch):
+    """The fallback (and the fast paths' load-time conversion) with chunks much smaller than the table."""
+    monkeypatch.setattr(fastpath, "CHUNK_ELEMS", 96 * 100)
+    qt = _table(bits, group, sym, 4097, 96)
+    wabs = _wabs(qt)
+    for prefer in ("chunked", None):
+        p = PreparedTable.from_table(qt, prefer=prefer)
+        assert (p.kind == "chunked") == (prefer == "chunked")
+        for x in _xs(96, seed=3):
+            _check_linear(p, qt, x, wabs)
+        assert torch.equal(p.embedding(torch.arange(qt.rows), F32), qt.dequantize(F32))
+        assert torch.equal(p.dequantize_range(0, qt.rows, BF), qt.dequantize(BF))
+
+
+def test_tied_one_buffer_from_overlay_tensors():
+    """What a back end holds (packed zero points along rows): one object serves gather and head."""
+    qt = _table(4, 32, False, 1000, 256)
+    p = PreparedTable.from_packed(qt.packed, qt.scale, qt.cols, qt.bits, qt.group_size,
+                                  zero_point_packed=qt.packed_zero_point())
+    assert p.kind == "int4_cpu"
+    ids = torch.tensor([3, 999, 0])
+    assert torch.equal(p.embedding(ids, BF), qt.dequantize(BF, rows=ids))
+    x = torch.randn(2, 256, dtype=BF)
+    _check_linear(p, qt, x, _wabs(qt))
+    # the head of a tied model is the embedding's rows: logits of row i's own vector
+    emb = p.embedding(ids, F32)
+    assert torch.allclose(p.linear(emb)[torch.arange(3), ids], (emb * emb).sum(-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group,cols,why", [
+    (4, 16, 96, "groups of 16"),
+    (8, None, 100, "multiples of 16"),
+    (8, 8, 96, "multiples of 16"),
+])
+def test_unsupported_scheme_falls_back_with_one_warning(bits, group, cols, why):
+    fastpath._warned.clear()
+    qt = _table(bits, group, True, 300, cols)
+    with pytest.warns(RuntimeWarning, match=why):
+        p = PreparedTable.from_table(qt)
+    assert p.kind == "chunked" and why in p.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        PreparedTable.from_table(qt)
+    for x in _xs(cols):
+        _check_linear(p, qt, x, _wabs(qt))
+    assert torch.equal(p.embedding(torch.arange(300), BF), qt.dequantize(BF))
+
+
+def test_int4_scales_not_exact_in_activation_dtype_fall_back():
+    fastpath._warned.clear()
+    qt = _table(4, 32, True, 200, 64, scale_dtype=F32)
+    with pytest.warns(RuntimeWarning, match="not exact"):
+        p = PreparedTable.from_table(qt, dtype=BF)
+    assert p.kind == "chunked"
+    # float32 activations/scales: the int4 layout is used (scales exact in float32)
+    p32 = PreparedTable.from_table(qt, dtype=F32)
+    assert p32.kind == "int4_cpu"
+    for x in _xs(64):
+        _check_linear(p32, qt, x, _wabs(qt))
+    assert torch.equal(p32.embedding(torch.arange(200), F32), qt.dequantize(F32))
+
+
+def test_int4_large_group_uses_kernel_groups():
+    """Per-row and groups > 256 repeat their scale over groups the int4 kernel accepts."""
+    qt = _table(4, 512, False, 300, 1024)
+    p = PreparedTable.from_table(qt)
+    assert p.kind == "int4_cpu" and p.kgroup == 256 and p.rep == 2
+    for x in _xs(1024):
+        _check_linear(p, qt, x, _wabs(qt))
+    assert torch.equal(p.embedding(torch.arange(300), F32), qt.dequantize(F32))
+
+
+def test_misaligned_activations():
+    """A view at an odd offset (the int8 kernel uses aligned loads) still works."""
+    qt = _table(8, None, True, 1000, 256)
+    p = PreparedTable.from_table(qt)
+    buf = torch.randn(1 + 3 * 256, dtype=BF)
+    x = buf[1:].view(3, 256)
+    assert x.data_ptr() % 64
+    _check_linear(p, qt, x, _wabs(qt))
+
+
+def test_bias_and_empty_batch():
+    qt = _table(8, 32, True, 1000, 256)
+    p = PreparedTable.from_table(qt)
+    x = torch.randn(2, 256, dtype=BF)
+    b = torch.randn(1000, dtype=BF)
+    assert torch.equal(p.linear(x, bias=b), p.linear(x) + b)
+    assert p.linear(torch.empty(0, 256, dtype=BF)).shape == (0, 1000)
