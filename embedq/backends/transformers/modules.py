@@ -14,6 +14,7 @@ from embedq.format.codec import zero_points_of
 from embedq.format.config import scheme_of
 from embedq.format.constants import HEAD_NAMES
 from embedq.format.dtypes import dtype_from_name
+from embedq.format.fastpath import PreparedTable
 from embedq.format.reader import load_overlay
 
 # Dequantize about this many bytes of float32 table at a time in the head.
@@ -54,6 +55,7 @@ class PackedTable(nn.Module):
                                  persistent=False)
         else:
             self.weight_zero_point = None
+        self.prepared: PreparedTable | None = None
 
     @classmethod
     def from_entry(cls, entry: dict, device="meta") -> "PackedTable":
@@ -69,8 +71,64 @@ class PackedTable(nn.Module):
 
     # -- memory -----------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes held by the buffers (equals the overlay's tensor bytes for this table)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes held: the overlay's tensor bytes, or once :meth:`prepare` ran, the serving
+        layout's (the quantized size; 4-bit adds its kernel's zeros and row padding)."""
+        held = sum(b.numel() * b.element_size() for b in self.buffers())
+        return held + (self.prepared.nbytes if self.prepared is not None else 0)
+
+    # -- serving layout ---------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Convert the loaded table to the serving layout of :mod:`embedq.format.fastpath`
+        (torch's weight-only int8/int4 kernels) for activations of ``dtype``, on the
+        buffers' device, chunk by chunk; the on-disk copies are then released, so the
+        gather and the head of a tied model read one table."""
+        if self.prepared is not None or self.weight_packed.device.type == "meta":
+            return
+        if os.environ.get("EMBEDQ_FASTPATH") == "0":  # the reference decoder, for comparisons
+            return
+        self.prepared = PreparedTable.from_packed(
+            self.weight_packed, self.weight_scale, self.cols, self.bits, self.group_size,
+            zero_point_packed=self.weight_zero_point, device=self.weight_packed.device, dtype=dtype)
+        dev = self.weight_packed.device
+        self.weight_packed = torch.empty(0, dtype=torch.int32, device=dev)
+        self.weight_scale = torch.empty(0, dtype=self.weight_scale.dtype, device=dev)
+        if self.weight_zero_point is not None:
+            self.weight_zero_point = torch.empty(0, dtype=torch.int32, device=dev)
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(device/dtype)`` moves the prepared tensors too (they are not buffers:
+        # their layout is the kernel's, not the overlay's)
+        super()._apply(fn, recurse)
+        p = self.prepared
+        if p is not None:
+            for k, v in list(vars(p).items()):
+                if isinstance(v, torch.Tensor):
+                    setattr(p, k, fn(v))
+            p.device = (p.scale if getattr(p, "scale", None) is not None else p.sz).device
+            if getattr(p, "sz", None) is not None:
+                p.dtype = p.sz.dtype
+        return self
+
+    # -- forward helpers (fast path when prepared, else the reference decoder) ----------
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows for token ids of any shape: ``[..., cols]`` in ``dtype``."""
+        if self.prepared is not None:
+            return self.prepared.embedding(ids, dtype)
+        return self.dequantize_rows(ids.reshape(-1), dtype).view(*ids.shape, self.cols)
+
+    def linear(self, hidden: torch.Tensor, bias: torch.Tensor | None = None,
+               chunk_rows: int = 4096) -> torch.Tensor:
+        """``hidden @ dequant(W)^T (+ bias)`` in ``hidden``'s dtype, never a float copy of W."""
+        if self.prepared is not None:
+            return self.prepared.linear(hidden, bias)
+        dtype = hidden.dtype
+        out = torch.empty(*hidden.shape[:-1], self.rows, dtype=dtype, device=hidden.device)
+        for a in range(0, self.rows, chunk_rows):
+            b = min(self.rows, a + chunk_rows)
+            w = self.dequantize(dtype, a, b)
+            out[..., a:b] = nn.functional.linear(hidden, w, None if bias is None else bias[a:b].to(dtype))
+        return out
 
     # -- loading ----------------------------------------------------------------------
     @torch.no_grad()
@@ -105,12 +163,16 @@ class PackedTable(nn.Module):
         Same arithmetic as the quantizer's contract: ``(u - zp) * scale`` in float32,
         with ``zp = 2^(bits-1)`` when symmetric, then cast to ``dtype``.
         """
+        if self.prepared is not None:
+            return self.prepared.dequantize_rows(ids, dtype)
         return self._dequant(self.weight_packed[ids], self.weight_scale[ids], ids, dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, end: int | None = None
                    ) -> torch.Tensor:
         """Rows ``start:end`` of the table (the whole table by default) in ``dtype``."""
         end = self.rows if end is None else end
+        if self.prepared is not None:
+            return self.prepared.dequantize_range(start, end, dtype)
         ids = None if self.symmetric else torch.arange(start, end, device=self.weight_packed.device)
         return self._dequant(self.weight_packed[start:end], self.weight_scale[start:end], ids, dtype)
 
@@ -158,8 +220,7 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
-        flat = input_ids.reshape(-1)
-        out = self.table.dequantize_rows(flat, dtype).view(*input_ids.shape, self.embedding_dim)
+        out = self.table.embedding(input_ids, dtype)
         spec = self.embed_scale_spec
         if spec is not None:
             kind, value = spec
@@ -190,16 +251,7 @@ class QuantizedLMHead(nn.Module):
         self.chunk_rows = chunk_rows or max(256, HEAD_CHUNK_BYTES // (4 * table.cols))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        rows = self.table.rows
-        out = torch.empty(*hidden.shape[:-1], rows, dtype=dtype, device=hidden.device)
-        step = self.chunk_rows
-        for a in range(0, rows, step):
-            b = min(rows, a + step)
-            w = self.table.dequantize(dtype, a, b)
-            bias = None if self.bias is None else self.bias[a:b].to(dtype)
-            out[..., a:b] = nn.functional.linear(hidden, w, bias)
-        return out
+        return self.table.linear(hidden, self.bias, self.chunk_rows)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, chunk_rows={self.chunk_rows}"

@@ -105,6 +105,11 @@ class EmbedqHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         fill_tables(self.tables, self.overlay_dir)
+        dtype = getattr(self, "_dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = getattr(model, "dtype", torch.bfloat16)
+        for table in self.tables.values():  # the serving layout, once, where the weights now are
+            table.prepare(dtype)
         model.embedq_overlay = str(self.overlay_dir)
         return model
 
