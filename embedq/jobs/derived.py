@@ -16,7 +16,7 @@ from embedq.errors import OverlayError
 from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
-from embedq.format.config import build_config
+from embedq.format.config import build_config, parse_config
 from embedq.format.files import check_writable, link_or_copy, write_json_atomic
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
@@ -72,6 +72,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                                                  chunk_rows, progress, calibration)
         writer.commit()
         qconfig = build_config(entries, tied, aliases, base_qc)
+        parse_config(qconfig, str(output / QCONFIG_NAME))  # what readers will accept
         sources = {p.tensor for p in plans}
         # Tensors loaders must no longer see: the quantized float tables, and a
         # tied head's duplicate of the embedding.

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from embedq.errors import SchemeError
-from embedq.format.checkpoint import OVERLAY_NAME, Checkpoint
-from embedq.format.config import build_config
+from embedq.format.checkpoint import OVERLAY_NAME, QCONFIG_NAME, Checkpoint
+from embedq.format.config import build_config, parse_config
 from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, is_head_name
 from embedq.format.files import check_writable
 from embedq.format.scheme import Scheme
@@ -107,6 +107,7 @@ def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, metho
                                              chunk_rows, progress, calibration)
     qconfig = build_config(entries, tied, aliases, base_qc)
     try:
+        parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
         state.commit_in_place(ckpt, writer, qconfig)
     except BaseException:
         writer.abort()
