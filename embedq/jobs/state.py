@@ -344,6 +344,9 @@ def folder_lock(path: str | os.PathLike, what: str):
         try:
             if d.is_dir() and not (d / STATE_FILE).exists():
                 _drop_incomplete_state(d)
+            else:  # an empty lock file stays with the backup: the folder reads the same after
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
         finally:
             os.close(fd)
 
