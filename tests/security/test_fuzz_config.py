@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import embedq
@@ -118,8 +118,10 @@ def _outcome(fn, cfg):
         fn()
     except EmbedqError as e:
         assert "\n" not in str(e)
+        event("refused")
         return False
     in_range(cfg)
+    event("accepted")
     return True
 
 
@@ -160,7 +162,17 @@ def test_fuzz_apply(made, model_factory, tmp_path_factory, m):
     assert tree(base) == before
 
 
-@settings(FUZZ, max_examples=6)
+def test_genuine_config_is_accepted_everywhere(made, tmp_path):
+    """The positive control of the fuzz tests below."""
+    src, bundle, good = made
+    in_range(good)
+    embedq.verify(src)
+    embedq.load_overlay(src)
+    model = embedq.load(src)
+    assert type(model.get_input_embeddings()).__name__ == "QuantizedEmbedding"
+
+
+@settings(FUZZ, max_examples=10)
 @given(m=mutations())
 def test_fuzz_embedq_load(made, tmp_path_factory, m):
     pytest.importorskip("transformers")
