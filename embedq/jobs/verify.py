@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from embedq.errors import OverlayError
-from embedq.format.checkpoint import Checkpoint
+from embedq.format.checkpoint import INDEX_NAME, Checkpoint
 from embedq.format.config import ModuleEntry
 from embedq.format.reader import load_overlay
 from embedq.format.dtypes import dtype_from_name
@@ -79,6 +79,13 @@ def verify_overlay(path: str | os.PathLike) -> Report:
         ckpt = Checkpoint.open(p)
     except Exception:
         ckpt = None
+    if ckpt is not None and ckpt.index is not None:
+        declared = cfg.tensors()
+        wm = ckpt.index.get("weight_map") or {}
+        extra = sorted(k for k, v in wm.items() if v == file.name and k not in declared)
+        if extra:
+            raise OverlayError(f"{p / INDEX_NAME}: maps {extra[0][:120]} to {file.name}, which the "
+                               "overlay config does not declare (an overlay replaces only its modules)")
     warnings = []
     for name, entry in cfg.modules.items():
         t = ov.tables[name]

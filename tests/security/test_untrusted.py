@@ -157,6 +157,15 @@ def test_5_in_place_overlay_with_extra_tensor_fails_verify_and_load(qwen):
         embedq.load_overlay(qwen)
 
 
+def test_5_index_mapping_other_weights_to_the_overlay_fails_verify(llama):
+    embedq.quantize(llama, 8, progress=False)
+    ip = llama / "model.safetensors.index.json"
+    index = json.loads(ip.read_text())
+    index["weight_map"]["model.layers.0.mlp.down_proj.weight"] = "embedq.safetensors"
+    ip.write_text(json.dumps(index))
+    assert_refused(run_cli("verify", llama), "model.layers.0.mlp.down_proj.weight", "does not declare")
+
+
 def test_5_module_entry_for_a_non_embedding_is_refused(qwen, model_factory, tmp_path):
     bundle = _bundle(qwen, tmp_path)
     cfg = read_qconfig(bundle)
