@@ -85,7 +85,9 @@ def check_overlay_header(file: Path, cfg: OverlayConfig) -> tuple[int, dict]:
     for k in names:
         v = header[k]
         dtype, shape = want[k]
-        if not isinstance(v, dict) or v.get("dtype") != dtype or v.get("shape") != list(shape):
+        hs = v.get("shape") if isinstance(v, dict) else None
+        if not isinstance(v, dict) or v.get("dtype") != dtype or not isinstance(hs, list) \
+                or any(type(x) is not int for x in hs) or hs != list(shape):
             got = (v.get("dtype"), v.get("shape")) if isinstance(v, dict) else v
             raise OverlayError(f"{file}: tensor {k} is {str(got)[:80]}, the config declares "
                                f"{dtype} {list(shape)}")

@@ -155,6 +155,8 @@ def test_5_in_place_overlay_with_extra_tensor_fails_verify_and_load(qwen):
     assert_refused(run_cli("verify", qwen), "does not declare")
     with pytest.raises(OverlayError, match="does not declare"):
         embedq.load_overlay(qwen)
+    with pytest.raises(OverlayError, match="does not declare"):
+        embedq.load(qwen)
 
 
 def test_5_index_mapping_other_weights_to_the_overlay_fails_verify(llama):
@@ -186,6 +188,8 @@ def test_5_module_entry_for_a_non_embedding_is_refused(qwen, model_factory, tmp_
     assert_refused(run_cli("verify", qwen), "model.layers.0.mlp.down_proj")
     with pytest.raises(OverlayError):
         embedq.load_overlay(qwen)
+    with pytest.raises(OverlayError, match="model.layers.0.mlp.down_proj"):
+        embedq.load(qwen)
 
 
 def test_5_apply_only_on_the_bases_own_tables(model_factory, tmp_path):
