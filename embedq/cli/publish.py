@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -36,13 +36,14 @@ def register(app: typer.Typer) -> None:
         token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN or `hf auth login`)"),
         message: Optional[str] = typer.Option(None, "--message", "-m", help="Commit message"),
         no_card_update: bool = typer.Option(False, "--no-card-update", help="Upload README.md as it is"),
+        include: Optional[List[str]] = typer.Option(None, "--include", help="Also upload files matching this glob (repeatable); by default only weights, configs, tokenizer, card and overlay go up"),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON"),
     ) -> None:
         """Upload FOLDER to the Hub in one commit; prints the commit URL."""
         from embedq.hub.push import push as _push
         result = run(_push, folder, repo_id, private=private, revision=revision, dry_run=dry_run,
                       token=token, commit_message=message, update_card=not no_card_update,
-                      progress=not as_json)
+                      progress=not as_json, include=include or None)
         typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
 
     @app.command()

@@ -16,6 +16,10 @@ STATE_DIR = ".embedq"            # backups and the lock of an in-place overlay
 
 # Last name component of an output-embedding (head) module across architectures.
 HEAD_NAMES = ("lm_head", "embed_out", "output")
+# Last name component of an input-embedding (or MTP/draft embedding) module: the only
+# modules an overlay may replace besides the heads above.
+EMBED_NAMES = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tok_embeddings",
+               "embeddings", "embed", "shared", "token_embedding", "tok_emb")
 # Tensors of one quantized module in the overlay: "<module>.<suffix>".
 OVERLAY_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
@@ -26,6 +30,11 @@ ROLES = ("embedding", "head", "mtp")
 
 # Safetensors dtype names <-> the config's dtype names (float tables and scales).
 ST_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def is_embedding_name(module: str) -> bool:
+    """Whether ``module`` names an input (or MTP/draft) embedding (``model.embed_tokens`` ...)."""
+    return module.split(".")[-1] in EMBED_NAMES
 
 
 def is_head_name(module: str) -> bool:

@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 
 from embedq.errors import OverlayError
-from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, OVERLAY_NAME, QCONFIG_NAME, QUANT_METHOD
-from embedq.format.config import scheme_of, validate_config
+from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, QCONFIG_NAME, QUANT_METHOD
+from embedq.format.checkpoint import read_safetensors_header
+from embedq.format.config import OverlayConfig, parse_config, read_config_file
+from embedq.errors import EmbedqError
 from embedq.format.codec import unpack_zero_points
 from embedq.format.codec import QuantizedTable
 
@@ -25,6 +27,7 @@ class Overlay:
     config: dict
     tables: dict[str, QuantizedTable]
     file: Path | None = None
+    parsed: OverlayConfig | None = None
 
     def table_for(self, module: str) -> QuantizedTable:
         """The table a module reads, following aliases (a tied head reads the embedding)."""
@@ -32,55 +35,105 @@ class Overlay:
         return self.tables[owner]
 
 
-def read_overlay_config(path: str | os.PathLike) -> dict:
-    """``quantization_config.json`` of a folder (or config.json's quantization_config)."""
+ITEMSIZE = {"I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4}
+
+
+def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
+    """The validated config of a folder: ``quantization_config.json``, else config.json's."""
     p = Path(path)
     if (p / QCONFIG_NAME).exists():
-        try:
-            cfg = json.loads((p / QCONFIG_NAME).read_text())
-        except json.JSONDecodeError as e:
-            raise OverlayError(f"{p / QCONFIG_NAME}: not valid JSON ({e})") from None
-        return validate_config(cfg, str(p / QCONFIG_NAME))
+        return read_config_file(p / QCONFIG_NAME)
     if (p / CONFIG_NAME).exists():
-        qc = json.loads((p / CONFIG_NAME).read_text()).get("quantization_config")
-        if qc and qc.get("quant_method") == QUANT_METHOD:
-            return validate_config(qc, str(p / CONFIG_NAME))
+        try:
+            cfg = json.loads((p / CONFIG_NAME).read_bytes())
+        except (ValueError, RecursionError) as e:
+            raise OverlayError(f"{p / CONFIG_NAME}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+        qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
+            return parse_config(qc, f"{p / CONFIG_NAME} (quantization_config)")
     raise OverlayError(f"{p}: no embedq overlay (no {QCONFIG_NAME})")
+
+
+def read_overlay_config(path: str | os.PathLike) -> dict:
+    """``quantization_config.json`` of a folder (or config.json's quantization_config), validated."""
+    return parse_overlay_config(path).to_dict()
+
+
+def check_overlay_header(file: Path, cfg: OverlayConfig) -> tuple[int, dict]:
+    """Read an overlay file's header and hold it to the config: exactly the declared
+    tensors (no other name), each with the declared dtype and shape, and data offsets
+    that match those sizes, do not overlap and lie inside the file."""
+    try:
+        n, header = read_safetensors_header(file)
+    except EmbedqError as e:
+        raise OverlayError(str(e)) from None
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("format") != OVERLAY_FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise OverlayError(f"{file}: not an embedq overlay (metadata format={fmt!r})")
+    want = cfg.tensors()
+    names = [k for k in header if k != "__metadata__"]
+    extra = sorted(set(names) - set(want))
+    if extra:
+        raise OverlayError(f"{file}: holds tensor {extra[0][:120]!r}, which the config does not declare "
+                           "(an overlay carries only its modules' quantized tables)")
+    missing = sorted(set(want) - set(names))
+    if missing:
+        raise OverlayError(f"{file}: missing tensor {missing[0]}")
+    spans = []
+    size = file.stat().st_size
+    for k in names:
+        v = header[k]
+        dtype, shape = want[k]
+        hs = v.get("shape") if isinstance(v, dict) else None
+        if not isinstance(v, dict) or v.get("dtype") != dtype or not isinstance(hs, list) \
+                or any(type(x) is not int for x in hs) or hs != list(shape):
+            got = (v.get("dtype"), v.get("shape")) if isinstance(v, dict) else v
+            raise OverlayError(f"{file}: tensor {k} is {str(got)[:80]}, the config declares "
+                               f"{dtype} {list(shape)}")
+        off = v.get("data_offsets")
+        nbytes = ITEMSIZE[dtype]
+        for d in shape:
+            nbytes *= d
+        if not (isinstance(off, list) and len(off) == 2 and all(type(x) is int for x in off)
+                and 0 <= off[0] and off[1] - off[0] == nbytes and 8 + n + off[1] <= size):
+            raise OverlayError(f"{file}: tensor {k} has data_offsets {str(off)[:60]}, which do not hold "
+                               f"its {nbytes} bytes inside the file")
+        spans.append((off[0], off[1], k))
+    spans.sort()
+    for (_, e1, k1), (b2, _, k2) in zip(spans, spans[1:]):
+        if b2 < e1:
+            raise OverlayError(f"{file}: tensors {k1} and {k2} overlap")
+    return n, header
 
 
 def load_overlay(path: str | os.PathLike, modules: list[str] | None = None) -> Overlay:
     """Load an overlay's tables into memory (packed, as on disk)."""
     p = Path(path)
-    cfg = read_overlay_config(p)
-    file = p / cfg.get("overlay", OVERLAY_NAME)
-    if not file.exists():
+    parsed = parse_overlay_config(p)
+    cfg = parsed.to_dict()
+    file = p / parsed.overlay
+    if not file.is_file():
         raise OverlayError(f"{file}: overlay file missing")
+    check_overlay_header(file, parsed)
     tables = {}
     try:
         f = safe_open(str(file), framework="pt")
     except Exception as e:
-        raise OverlayError(f"{file}: not a readable safetensors file ({e})") from None
-    meta = f.metadata() or {}
-    if meta.get("format") != OVERLAY_FORMAT:
-        raise OverlayError(f"{file}: not an embedq overlay (metadata format={meta.get('format')!r})")
-    keys = set(f.keys())
-    for name, entry in cfg["modules"].items():
+        raise OverlayError(f"{file}: not a readable safetensors file ({str(e)[:200]})") from None
+    for name, entry in parsed.modules.items():
         if modules is not None and name not in modules:
             continue
-        s = scheme_of(entry)
-        rows, cols = entry["shape"]
-
-        def get(suffix: str) -> torch.Tensor:
-            k = f"{name}.{suffix}"
-            if k not in keys:
-                raise OverlayError(f"{file}: missing tensor {k}")
-            return f.get_tensor(k)
-
-        packed, scale = get("weight_packed"), get("weight_scale")
-        shape = tuple(int(x) for x in get("weight_shape").tolist())
-        if shape != (rows, cols) or packed.shape != (rows, cols * s.bits // 32) \
-                or scale.shape != (rows, s.groups(cols)):
-            raise OverlayError(f"{file}: tensors of {name} do not match the config's shape {[rows, cols]}")
-        zp = None if s.symmetric else unpack_zero_points(get("weight_zero_point"), s.bits, rows)
+        s = entry.scheme
+        rows, cols = entry.shape
+        packed = f.get_tensor(f"{name}.weight_packed")
+        scale = f.get_tensor(f"{name}.weight_scale")
+        shape = tuple(int(x) for x in f.get_tensor(f"{name}.weight_shape").tolist())
+        if shape != (rows, cols):
+            raise OverlayError(f"{file}: {name}.weight_shape is {list(shape)}, the config says {[rows, cols]}")
+        if not bool(torch.isfinite(scale).all()):
+            raise OverlayError(f"{file}: {name}.weight_scale holds NaN or infinite scales")
+        zp = None if s.symmetric else unpack_zero_points(f.get_tensor(f"{name}.weight_zero_point"), s.bits, rows)
         tables[name] = QuantizedTable(packed, scale, zp, s.bits, s.group_size, (rows, cols))
-    return Overlay(p, cfg, tables, file)
+    return Overlay(p, cfg, tables, file, parsed)
+

@@ -1,8 +1,10 @@
 """``embedq push``: upload a derived checkpoint or an overlay bundle to the Hugging Face Hub.
 
-Only what belongs to the model is uploaded: no ``.embedq/`` backups, no ``*.partial``
-temporary files, no dotfiles or dot-folders (``.cache/huggingface`` download records,
-``.git``), nothing under a symlinked folder. The folder is checked first (overlay
+Only what a model repository needs is uploaded (:data:`ALLOWED`: weights, configs,
+tokenizer, card, overlay; more with ``include`` / ``--include``): no ``.embedq/``
+backups, no ``*.partial`` temporary files, no dotfiles or dot-folders
+(``.cache/huggingface`` download records, ``.git``), no tokens or logs, nothing under a
+symlinked folder, no linked file that leads out of the folder (docs/security.md). The folder is checked first (overlay
 config valid, overlay tensors match their checksums, every shard the index names is
 present, the card's front matter valid), so a broken folder fails before any network
 call. Then: ``create_repo`` (exist_ok), ``create_branch`` for a non-default
@@ -20,9 +22,11 @@ saying in which step it failed; the local folder is never modified by a failure.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,9 +112,36 @@ def _human(n: int) -> str:
 
 # ------------------------------------------------------------------ folder checks
 
-def select_files(folder: str | os.PathLike) -> tuple[list[tuple[str, int]], list[str]]:
-    """Files of ``folder`` to upload (POSIX relative path, size) and what is left out."""
+# What a model repository needs; anything else is left out unless ``include`` names it.
+ALLOWED = (
+    "*.safetensors", "*.safetensors.index.json",                       # weights + index
+    "config.json", "generation_config.json", "quantization_config.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+    "sentencepiece.bpe.model", "*.tiktoken", "chat_template.json", "chat_template.jinja",
+    "README.md", "LICENSE", "LICENSE.*", "LICENSE-*", "NOTICE", "NOTICE.*", "USE_POLICY.md",
+    "embedq-eval.json",                                                # card inputs
+    "*.onnx", "*.onnx_data", "*.onnx.data", "onnx/*",                  # embedq onnx patch
+)
+
+
+def _wanted(rel: str, include: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pat) for pat in ALLOWED + include)
+
+
+def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...] = ()
+                 ) -> tuple[list[tuple[str, int]], list[str]]:
+    """Files of ``folder`` to upload (POSIX relative path, size) and what is left out.
+
+    Only what a model repository needs (:data:`ALLOWED`: weights, configs, tokenizer,
+    card, overlay) plus the glob patterns in ``include``; never a dotfile, a temporary
+    file, or a link that leads out of the folder (a Hugging Face cache snapshot's links
+    into its own ``blobs/`` are fine).
+    """
+    from embedq.jobs.derived import stays_inside
     root = Path(folder)
+    include = tuple(include or ())
     files: list[tuple[str, int]] = []
     skipped: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -132,10 +163,19 @@ def select_files(folder: str | os.PathLike) -> tuple[list[tuple[str, int]], list
                 skipped.append(rel)
                 continue
             p = d / name
+            if not _wanted(rel, include):
+                skipped.append(rel + " (not part of a model repository; --include to upload it)")
+                continue
+            if p.is_symlink() and not stays_inside(root, p):
+                skipped.append(rel + " (a link out of the folder)")
+                continue
             try:
-                st = p.stat()  # follows a symlinked file (e.g. HF cache blobs)
+                st = p.stat()  # follows a link inside the folder (or to a HF cache blob)
             except OSError:
                 skipped.append(rel + " (broken link)")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                skipped.append(rel + " (not a regular file)")
                 continue
             files.append((rel, st.st_size))
     files.sort(key=lambda x: (x[0] != "README.md", x[0]))
@@ -243,7 +283,7 @@ def _commit_message(folder: Path) -> str:
 
 def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
          dry_run: bool = False, token: str | None = None, *, commit_message: str | None = None,
-         update_card: bool = True, progress: bool = True) -> PushResult:
+         update_card: bool = True, progress: bool = True, include: list[str] | None = None) -> PushResult:
     """Upload ``folder`` to the Hub repository ``repo_id`` in one commit.
 
     Returns a :class:`PushResult`; ``result.commit_url`` is the commit's URL (None for
@@ -256,8 +296,10 @@ def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revisio
     _check_repo_id(repo_id)
     if revision is not None and (not revision or any(c.isspace() for c in revision)):
         raise EmbedqError(f"--revision {revision!r}: not a branch name")
-    files, skipped = select_files(folder) if folder.is_dir() else ([], [])
+    files, skipped = select_files(folder, tuple(include or ())) if folder.is_dir() else ([], [])
     warnings = check_folder(folder, files)
+    if dry_run and not private:
+        warnings.append(f"a new repository {repo_id} would be public; pass --private to create it private")
     if any(s.endswith(TEMP_SUFFIXES) for s in skipped):
         warnings.append("temporary files of an interrupted run are left out")
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from embedq.errors import OverlayError
 from embedq.jobs import state
-from embedq.format.checkpoint import (CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, Checkpoint,
-                                        read_json, read_safetensors_header)
-from embedq.format.config import scheme_of, validate_config
-from embedq.format.constants import OVERLAY_FORMAT, ST_FLOAT_NAMES
+from embedq.format.checkpoint import CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, Checkpoint
+from embedq.format.config import OverlayConfig, parse_config, read_config_file
+from embedq.format.constants import ST_FLOAT_NAMES
+from embedq.format.reader import check_overlay_header
 from embedq.format.files import check_writable
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter
+from embedq.jobs.derived import stays_inside
 from embedq.jobs.report import ModuleReport, Report
 
 CHUNK = 64 << 20
@@ -40,43 +41,75 @@ def _sha256_range(path: Path, offset: int, nbytes: int) -> str:
 
 
 def read_bundle(overlay: str | os.PathLike) -> tuple[dict, Path]:
-    """The bundle's validated config and overlay file."""
+    """The bundle's validated config (as a dict) and overlay file."""
+    cfg, file = parse_bundle(overlay)
+    return cfg.to_dict(), file
+
+
+def parse_bundle(overlay: str | os.PathLike) -> tuple[OverlayConfig, Path]:
+    """The bundle's validated config and overlay file (whose header is checked against it)."""
     ov = Path(overlay)
     if not ov.is_dir():
         raise OverlayError(f"{ov}: no such overlay folder")
     qpath = ov / QCONFIG_NAME
     if not qpath.is_file():
         raise OverlayError(f"{qpath}: not found; {ov} is not an embedq overlay bundle")
-    qconfig = validate_config(read_json(qpath), str(qpath))
-    file = ov / qconfig.get("overlay", OVERLAY_NAME)
+    if not stays_inside(ov, qpath):
+        raise OverlayError(f"{qpath}: a link out of the bundle folder; refusing to read it")
+    qconfig = read_config_file(qpath)
+    file = ov / qconfig.overlay
     if not file.is_file():
         raise OverlayError(f"{file}: overlay file missing from the bundle")
+    if not stays_inside(ov, file):
+        raise OverlayError(f"{file}: a link out of the bundle folder; refusing to read it")
     return qconfig, file
 
 
-def check_base(ckpt: Checkpoint, qconfig: dict) -> None:
-    """Refuse a base whose source tables are not the ones the overlay was made from."""
-    for name, entry in qconfig["modules"].items():
-        src = entry.get("source") or {}
-        tensor, want = src.get("tensor"), src.get("sha256")
-        if not tensor or not want:
-            raise OverlayError(f"quantization_config.json: module {name} records no source checksum; "
+def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
+    """Refuse a base whose source tables are not the ones the overlay was made from,
+    and an overlay that replaces anything but the base's embeddings and heads."""
+    if isinstance(qconfig, dict):
+        qconfig = parse_config(qconfig, "quantization_config.json")
+    allowed = _base_targets(ckpt)
+    for name, entry in qconfig.modules.items():
+        src = entry.source
+        tensor, want = src.tensor, src.sha256
+        if not want:
+            raise OverlayError(f"{qconfig.where}: module {name} records no source checksum; "
                                "cannot check the base")
         if not ckpt.has(tensor):
             raise OverlayError(f"{ckpt.path}: has no tensor {tensor}, which the overlay replaces "
                                "(a different model?)")
+        if allowed is not None and tensor not in allowed:
+            raise OverlayError(f"{qconfig.where}: module {name} replaces {tensor}, which is not an "
+                               f"embedding or head of {ckpt.path}; refusing")
         info = ckpt.tensor(tensor)
-        if list(info.shape) != list(entry["shape"]):
+        if list(info.shape) != list(entry.shape):
             raise OverlayError(f"{ckpt.path / info.file}: {tensor} has shape {list(info.shape)}, "
-                               f"the overlay was made from {entry['shape']} (a different model?)")
+                               f"the overlay was made from {list(entry.shape)} (a different model?)")
         dt = ST_FLOAT_NAMES.get(info.dtype, info.dtype)
-        if src.get("dtype") and dt != src["dtype"]:
+        if src.dtype and dt != src.dtype:
             raise OverlayError(f"{ckpt.path / info.file}: {tensor} is {dt}, the overlay was made from "
-                               f"{src['dtype']} (a different revision?)")
+                               f"{src.dtype} (a different revision?)")
         got = _sha256_range(ckpt.path / info.file, info.file_offset, info.nbytes)
         if got != want:
             raise OverlayError(f"{ckpt.path / info.file}: {tensor} sha256 {got[:16]}… differs from the "
                                f"overlay's source {want[:16]}… (a different revision of the base?); refusing")
+    for alias, owner in qconfig.aliases.items():
+        if allowed is not None and ckpt.has(alias + ".weight") and alias + ".weight" not in allowed:
+            raise OverlayError(f"{qconfig.where}: alias {alias} is not an embedding or head of {ckpt.path}")
+
+
+def _base_targets(ckpt: Checkpoint) -> set[str] | None:
+    """Tensor names an overlay may replace in ``ckpt``: its input and output embeddings
+    and MTP/draft tables (None when the model's targets cannot be determined)."""
+    from embedq.errors import EmbedqError
+    from embedq.jobs.targets import find_targets
+    try:
+        t, _ = find_targets(ckpt)
+    except EmbedqError:
+        return None
+    return {x for x in [t.embedding, t.head, *t.extra_embeddings] if x}
 
 
 def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force: bool = False) -> Report:
@@ -84,39 +117,36 @@ def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force:
 
     ``force`` replaces an embedq overlay the base already has (like ``quantize --force``).
     """
-    qconfig, ovfile = read_bundle(overlay)
+    qconfig, ovfile = parse_bundle(overlay)
     base = Path(base)
     if base.exists() and base.resolve() == Path(overlay).resolve():
         raise OverlayError(f"{base}: the base and the overlay bundle are the same folder")
     ckpt = Checkpoint.open(base)
-    base_qc = state.base_state(ckpt, force)
-    want_qc = qconfig.get("base_quantization_config")
-    if (base_qc or None) != (want_qc or None):
-        have = (base_qc or {}).get("quant_method") if base_qc else None
-        made = (want_qc or {}).get("quant_method") if want_qc else None
+    with state.folder_lock(ckpt.path, "apply"):
+        return _apply(ckpt, qconfig, ovfile, force)
+
+
+def _apply(ckpt: Checkpoint, qconfig: OverlayConfig, ovfile: Path, force: bool) -> Report:
+    base = ckpt.path
+    notes: list[str] = []
+    base_qc = state.base_state(ckpt, force, warnings=notes)
+    want_qc = qconfig.base_quantization_config
+    if (base_qc or None) != (dict(want_qc) if want_qc else None):
+        have = (base_qc or {}).get("quant_method") if isinstance(base_qc, dict) else None
+        made = want_qc.get("quant_method") if want_qc else None
         raise OverlayError(f"{base / CONFIG_NAME}: quantization_config ({have or 'none'}) differs from the one "
                            f"the overlay was made on ({made or 'none'}); refusing")
     check_base(ckpt, qconfig)
 
-    n, header = read_safetensors_header(ovfile)
+    n, header = check_overlay_header(ovfile, qconfig)  # declared tensors only, sizes checked
     meta = header.get("__metadata__") or {}
-    if meta.get("format") != OVERLAY_FORMAT:
-        raise OverlayError(f"{ovfile}: not an embedq overlay (metadata format={meta.get('format')!r})")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     expected: dict[str, str] = {}
-    for name, entry in qconfig["modules"].items():
-        expected.update(entry.get("checksums") or {})
-        for suffix in ("weight_packed", "weight_scale", "weight_shape"):
-            if f"{name}.{suffix}" not in tensors:
-                raise OverlayError(f"{ovfile}: missing tensor {name}.{suffix}")
-    for k in tensors:
-        if k.endswith("lm_head.weight"):
-            raise OverlayError(f"{ovfile}: holds {k}; an overlay never carries a float head")
+    for entry in qconfig.modules.values():
+        expected.update(entry.checksums)
     order = sorted(tensors, key=lambda k: tensors[k]["data_offsets"][0])
-    try:
-        decl = {k: (ST_NAME_TO_DTYPE[tensors[k]["dtype"]], tuple(tensors[k]["shape"])) for k in order}
-    except KeyError as e:
-        raise OverlayError(f"{ovfile}: unsupported tensor dtype {e}") from None
+    decl = {k: (ST_NAME_TO_DTYPE[tensors[k]["dtype"]], tuple(tensors[k]["shape"])) for k in order}
+    meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
     check_writable(ckpt.path)
     state.cleanup_partials(ckpt.path)
@@ -135,26 +165,36 @@ def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force:
                     raise OverlayError(f"{ovfile}: tensor {k} does not match its recorded checksum "
                                        "(corrupt or incomplete download?)")
         writer.finish()
-        state.commit_in_place(ckpt, writer, qconfig)
+        _check_scales(ovfile, qconfig)
+        state.commit_in_place(ckpt, writer, qconfig.to_dict())
     except BaseException:
         writer.abort()
         raise
 
-    aliases = qconfig.get("aliases") or {}
     reports = []
-    for name, entry in qconfig["modules"].items():
-        s = scheme_of(entry)
-        rows, cols = entry["shape"]
-        src = entry.get("source") or {}
-        info = ckpt.tensor(src["tensor"])
+    for name, entry in qconfig.modules.items():
+        s = entry.scheme
+        rows, cols = entry.shape
+        src = entry.source
+        info = ckpt.tensor(src.tensor)
         after = sum(tensors[k]["data_offsets"][1] - tensors[k]["data_offsets"][0]
-                    for k in tensors if k.startswith(name + "."))
-        reports.append(ModuleReport(name, src["tensor"], [rows, cols], s.label(),
-                                    src.get("dtype", "?"), info.nbytes, after,
-                                    role=entry.get("role", "embedding"),
-                                    aliases=sorted(a for a, o in aliases.items() if o == name)))
-    return Report(str(ckpt.path), "apply", reports, bool(qconfig.get("tie_word_embeddings")),
-                  overlay=str(ckpt.path / OVERLAY_NAME))
+                    for k in entry.tensors())
+        reports.append(ModuleReport(name, src.tensor, [rows, cols], s.label(),
+                                    src.dtype or "?", info.nbytes, after,
+                                    role=entry.role,
+                                    aliases=sorted(a for a, o in qconfig.aliases.items() if o == name)))
+    return Report(str(ckpt.path), "apply", reports, qconfig.tied,
+                  overlay=str(ckpt.path / OVERLAY_NAME), warnings=notes)
 
 
-__all__ = ["apply_overlay", "check_base", "read_bundle"]
+def _check_scales(ovfile: Path, qconfig: OverlayConfig) -> None:
+    """Refuse NaN/inf scales before the overlay becomes visible."""
+    from safetensors import safe_open
+    import torch
+    with safe_open(str(ovfile), framework="pt") as f:
+        for name in qconfig.modules:
+            if not bool(torch.isfinite(f.get_tensor(f"{name}.weight_scale")).all()):
+                raise OverlayError(f"{ovfile}: {name}.weight_scale holds NaN or infinite scales")
+
+
+__all__ = ["apply_overlay", "check_base", "parse_bundle", "read_bundle"]

@@ -16,7 +16,7 @@ from embedq.errors import OverlayError
 from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
-from embedq.format.config import build_config
+from embedq.format.config import build_config, parse_config
 from embedq.format.files import check_writable, link_or_copy, write_json_atomic
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
@@ -25,6 +25,9 @@ from embedq.jobs.overlay import write_overlay
 from embedq.jobs.report import Report
 
 COPY_CHUNK = 64 << 20
+# Written into every derived checkpoint / bundle: ``--force`` replaces only a folder
+# that has it (or an empty one). A dotfile, so ``embedq push`` leaves it out.
+OUTPUT_MARKER = ".embedq-output"
 SKIP_FILES = {CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME, "README.md"}
 
 
@@ -57,11 +60,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
     """Build a derived checkpoint (or an overlay-only bundle) at ``output``."""
     # fail on bad card inputs before any work
     eval_results = check_card_inputs(base_model, base_revision, eval_results)
-    output = output.resolve()
-    if output == ckpt.path.resolve():
-        raise OverlayError(f"{output}: --output must differ from the source folder")
-    if output.exists() and any(output.iterdir()) and not force:
-        raise OverlayError(f"{output}: destination exists and is not empty (pass --force to replace it)")
+    output = check_output(ckpt.path, output, force)
     output.parent.mkdir(parents=True, exist_ok=True)
     check_writable(output.parent)
     stage = output.parent / f".{output.name}.{os.getpid()}.partial"
@@ -73,6 +72,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                                                  chunk_rows, progress, calibration)
         writer.commit()
         qconfig = build_config(entries, tied, aliases, base_qc)
+        parse_config(qconfig, str(output / QCONFIG_NAME))  # what readers will accept
         sources = {p.tensor for p in plans}
         # Tensors loaders must no longer see: the quantized float tables, and a
         # tied head's duplicate of the embedding.
@@ -88,7 +88,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                 if f.name in SKIP_FILES or f.name.startswith(".") or f.suffix == ".safetensors" \
                         or f.suffix in (".bin", ".pt", ".pth") or f.name == STATE_DIR:
                     continue
-                if f.is_file():
+                if f.is_file() and stays_inside(ckpt.path, f):
                     shutil.copy2(f, stage / f.name)
             write_json_atomic(stage / CONFIG_NAME, config)
         report = Report(str(ckpt.path), "overlay-only" if overlay_only else "derived", reports, tied,
@@ -101,6 +101,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
             write_card(stage, ckpt, report, qconfig)
         except ImportError:
             pass
+        write_json_atomic(stage / OUTPUT_MARKER, {"written_by": "embedq", "source": str(ckpt.path)})
         fsync_dir(stage)
         if output.exists():
             old = output.parent / f".{output.name}.{os.getpid()}.old"
@@ -114,6 +115,46 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def stays_inside(folder: Path, p: Path) -> bool:
+    """Whether ``p`` (a link, maybe) resolves inside ``folder``, or, for a Hugging Face
+    cache snapshot (``.../snapshots/<rev>``), into that repository's ``blobs/``."""
+    folder = Path(folder)
+    try:
+        real = Path(p).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return False
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        roots.append((folder.parent.parent / "blobs").resolve())
+    return any(real == r or r in real.parents for r in roots)
+
+
+def check_output(source: Path, output: Path, force: bool) -> Path:
+    """The resolved destination, or an OverlayError: never the source, a folder inside
+    it or one holding it; an existing folder only when empty, or with ``force`` when
+    embedq wrote it (it has :data:`OUTPUT_MARKER`)."""
+    src = Path(source).resolve()
+    out = Path(output).resolve()
+    if out == src:
+        raise OverlayError(f"{out}: --output must differ from the source folder")
+    if src in out.parents:
+        raise OverlayError(f"{out}: --output is inside the source folder {src}; choose a folder outside it")
+    if out in src.parents:
+        raise OverlayError(f"{out}: --output contains the source folder {src}; refusing "
+                           "(replacing it would delete the source)")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise OverlayError(f"{out}: --output exists and is not a folder")
+        if any(out.iterdir()):
+            if not force:
+                raise OverlayError(f"{out}: destination exists and is not empty (pass --force to replace it)")
+            marker = out / OUTPUT_MARKER
+            if marker.is_symlink() or not marker.is_file():
+                raise OverlayError(f"{out}: not a folder embedq wrote (no {OUTPUT_MARKER}); --force only "
+                                   "replaces an earlier embedq output or an empty folder")
+    return out
 
 
 def _write_weights(ckpt: Checkpoint, stage: Path, drop: set[str], writer) -> None:

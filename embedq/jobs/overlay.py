@@ -181,7 +181,9 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
     zp_name = f"{p.module}.weight_zero_point"
     bits = p.scheme.bits
-    assert chunk_rows % (32 // bits) == 0
+    if chunk_rows % (32 // bits):
+        raise SchemeError(f"--chunk-rows {chunk_rows}: must be a multiple of {32 // bits} for {bits}-bit tables "
+                          f"(any multiple of {ROW_ALIGN} fits every scheme)")
 
     def compute(r0: int, x: torch.Tensor):
         packed, scale, zp, st = quantize_pack_chunk(x, p.scheme, p.scale_dtype, pad_rows=chunk_rows,
@@ -201,7 +203,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
             out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
 
     try:
-        source = MappedRows(path, info.file_offset, (rows, cols), p.dtype)
+        source = MappedRows(path, info.file_offset, (rows, cols), p.dtype, name=p.tensor)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {p.tensor}: {e.strerror or e}") from None
     with source:

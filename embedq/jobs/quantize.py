@@ -14,14 +14,15 @@ import os
 import time
 from pathlib import Path
 
-from embedq.format.checkpoint import OVERLAY_NAME, Checkpoint
-from embedq.format.config import build_config
+from embedq.errors import SchemeError
+from embedq.format.checkpoint import OVERLAY_NAME, QCONFIG_NAME, Checkpoint
+from embedq.format.config import build_config, parse_config
 from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, is_head_name
 from embedq.format.files import check_writable
 from embedq.format.scheme import Scheme
 from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
-from embedq.jobs.derived import write_derived
+from embedq.jobs.derived import check_output, write_derived
 from embedq.jobs.overlay import plan_modules, write_overlay
 from embedq.jobs.report import Report
 
@@ -50,8 +51,32 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
         from embedq.jobs.calibration import collect_calibration
         calibration = collect_calibration(path, progress=progress)
     t0 = time.perf_counter()
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool)
+                                   or chunk_rows < 1):
+        raise SchemeError(f"--chunk-rows {chunk_rows!r}: must be a positive number of rows")
     ckpt = Checkpoint.open(path)
-    base_qc = state.base_state(ckpt, force, derived=output is not None)
+    if output is not None:  # the source is only read (it may be a read-only cache)
+        check_output(ckpt.path, Path(output), force)
+        return _quantize(ckpt, t0, **_args(locals()))
+    with state.folder_lock(ckpt.path, "quantize"):
+        return _quantize(ckpt, t0, **_args(locals()))
+
+
+def _args(scope: dict) -> dict:
+    return {k: scope[k] for k in _ARGS}
+
+
+_ARGS = ("bits", "group_size", "symmetric", "method", "lm_head", "head_bits", "head_group_size",
+         "head_symmetric", "targets", "output", "overlay_only", "force", "trust", "scale_dtype",
+         "chunk_rows", "progress", "base_model", "base_revision", "eval_results", "calibration")
+
+
+def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, method, lm_head,
+              head_bits, head_group_size, head_symmetric, targets, output, overlay_only, force,
+              trust, scale_dtype, chunk_rows, progress, base_model, base_revision, eval_results,
+              calibration) -> Report:
+    notes: list[str] = []
+    base_qc = state.base_state(ckpt, force, derived=output is not None, warnings=notes)
     scheme = Scheme.default(bits, symmetric, group_size, method, scale_dtype)
     head_scheme = None
     if head_bits is not None or head_group_size is not None or head_symmetric is not None:
@@ -72,7 +97,7 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                                base_model=base_model, base_revision=base_revision,
                                eval_results=eval_results, calibration=calibration)
         report.seconds = time.perf_counter() - t0
-        report.warnings += [advice] if advice else []
+        report.warnings += notes + ([advice] if advice else [])
         return report
 
     check_writable(ckpt.path)
@@ -82,11 +107,12 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
                                              chunk_rows, progress, calibration)
     qconfig = build_config(entries, tied, aliases, base_qc)
     try:
+        parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
         state.commit_in_place(ckpt, writer, qconfig)
     except BaseException:
         writer.abort()
         raise
-    warnings = [advice] if advice else []
+    warnings = notes + ([advice] if advice else [])
     if base_model or base_revision or eval_results is not None:
         warnings.append("--base-model/--base-revision/--eval only go into the model card, "
                         "which is written with --output; ignored")

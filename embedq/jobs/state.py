@@ -1,4 +1,4 @@
-"""In-place overlay state: backups, the commit sequence, and ``embedq remove``.
+"""In-place overlay state: backups, the commit sequence, the folder lock, ``embedq remove``.
 
 Commit order (config.json is the commit point):
 1. originals of config.json and the index are copied to ``.embedq/`` (once, before
@@ -8,13 +8,23 @@ Commit order (config.json is the commit point):
    atomically.
 A crash anywhere leaves either the original config.json (the overlay is invisible
 to loaders, and the next run or ``remove`` cleans up) or a complete overlay.
+
+A downloaded folder may carry a ``.embedq/`` of its own, so nothing in it is trusted
+blindly (docs/security.md): ``state.json`` may name only the two files embedq backs up,
+backups are read without following links, and a backup is used only while it matches
+what is on disk (the config as backed up, or as embedq edited it); a stale one is never
+restored. Jobs that change a folder hold :func:`folder_lock` (``.embedq/lock``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from embedq.errors import OverlayError
@@ -24,41 +34,194 @@ from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCO
 from embedq.format.files import write_bytes_atomic, write_json_atomic
 
 STATE_FILE = "state.json"
+LOCK_FILE = "lock"
+BACKED_UP = (CONFIG_NAME, INDEX_NAME)  # the only files embedq ever backs up and restores
+MAX_BACKUP_BYTES = 256 << 20
+
+
+def _state_dir(path: Path) -> Path:
+    d = Path(path) / STATE_DIR
+    if d.is_symlink() or (d.exists() and not d.is_dir()):
+        raise OverlayError(f"{d}: a link or a file, not the state folder embedq makes; refusing to use it "
+                           "(delete it if this folder came from elsewhere)")
+    return d
+
+
+def _read_nofollow(p: Path) -> bytes:
+    """Bytes of a regular file, never through a link."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BACKUP_BYTES:
+            raise OverlayError(f"{p}: not a backup embedq wrote (not a regular file or too large)")
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _load_state(d: Path) -> dict | None:
+    """The validated ``state.json``; None when there is none (no complete backup)."""
+    sp = d / STATE_FILE
+    try:
+        raw = _read_nofollow(sp)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OverlayError(f"{sp}: a link, not a state file embedq wrote; refusing") from None
+        raise
+    try:
+        st = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise OverlayError(f"{sp}: not valid JSON; not a backup embedq wrote (delete {d} to start over)") from None
+    files = st.get("files") if isinstance(st, dict) else None
+    if not isinstance(files, list) or not files or any(f not in BACKED_UP for f in files) \
+            or len(set(files)) != len(files) or CONFIG_NAME not in files:
+        shown = str(files)[:80]
+        raise OverlayError(f"{sp}: lists {shown}; embedq backs up only {', '.join(BACKED_UP)}; "
+                           f"refusing to restore from it (delete {d} if this folder came from elsewhere)")
+    links = st.get("links") or {}
+    if not isinstance(links, dict) or any(k not in files or not isinstance(v, str) or "\0" in v
+                                          for k, v in links.items()):
+        raise OverlayError(f"{sp}: malformed links; not a backup embedq wrote")
+    return {"files": files, "links": links}
 
 
 def read_backup(path: Path) -> dict[str, bytes] | None:
-    """Original bytes of config.json (and index) saved before the first overlay."""
-    d = Path(path) / STATE_DIR
-    try:
-        st = json.loads((d / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    """Original bytes of config.json (and index) saved before the first overlay.
+
+    Only ``config.json`` and the index, read without following links; a ``state.json``
+    naming anything else raises :class:`OverlayError`.
+    """
+    d = _state_dir(path)
+    st = _load_state(d)
+    if st is None:
         return None
     out = {}
-    for name in st.get("files", []):
+    for name in st["files"]:
         try:
-            out[name] = (d / name).read_bytes()
+            out[name] = _read_nofollow(d / name)
         except FileNotFoundError:
             return None
-    return out if CONFIG_NAME in out else None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OverlayError(f"{d / name}: a link, not a backup embedq wrote; refusing") from None
+            raise
+    return out
+
+
+def _links(path: Path) -> dict[str, str]:
+    d = _state_dir(path)
+    st = _load_state(d)
+    return dict(st["links"]) if st else {}
+
+
+def _json(data: bytes):
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def stale_reason(path: Path, backup: dict[str, bytes]) -> str | None:
+    """Why ``backup`` does not belong to the files on disk (None: it does).
+
+    It belongs when config.json is the backed-up one, or that one with an embedq
+    ``quantization_config`` set (and likewise the index, up to the overlay's entries).
+    """
+    path = Path(path)
+    orig = _json(backup[CONFIG_NAME])
+    try:
+        disk = _json((path / CONFIG_NAME).read_bytes())
+    except FileNotFoundError:
+        return f"{CONFIG_NAME} is gone"
+    if not isinstance(orig, dict) or not isinstance(disk, dict):
+        return f"{CONFIG_NAME} or its backup is not a JSON object"
+    if disk != orig:
+        qc = disk.get("quantization_config")
+        rest = {k: v for k, v in disk.items() if k != "quantization_config"}
+        orest = {k: v for k, v in orig.items() if k != "quantization_config"}
+        if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD and rest == orest):
+            return f"{CONFIG_NAME} was changed after embedq backed it up"
+    has_index = (path / INDEX_NAME).exists()
+    if (INDEX_NAME in backup) != has_index:
+        return f"{INDEX_NAME} was {'added' if has_index else 'removed'} after embedq backed up"
+    if has_index:
+        oi, di = _json(backup[INDEX_NAME]), _json((path / INDEX_NAME).read_bytes())
+        if not isinstance(oi, dict) or not isinstance(oi.get("weight_map"), dict) or not isinstance(di, dict):
+            return f"{INDEX_NAME} or its backup has no weight_map"
+        if di != oi:
+            wm = di.get("weight_map")
+            if not isinstance(wm, dict):
+                return f"{INDEX_NAME} has no weight_map"
+            dwm = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+            dmeta = {k: v for k, v in di.items() if k != "weight_map"}
+            ometa = {k: v for k, v in oi.items() if k != "weight_map"}
+            if dwm != oi["weight_map"] or dmeta != ometa:
+                return f"{INDEX_NAME} was changed after embedq backed it up"
+    return None
+
+
+def valid_backup(path: Path) -> tuple[dict[str, bytes] | None, str | None]:
+    """``(backup, None)`` for a backup matching the disk; ``(None, reason)`` for a stale one."""
+    backup = read_backup(path)
+    if backup is None:
+        return None, None
+    why = stale_reason(path, backup)
+    return (None, why) if why else (backup, None)
 
 
 def write_backup(path: Path) -> dict[str, bytes]:
-    d = path / STATE_DIR
-    d.mkdir(exist_ok=True)
-    files = [CONFIG_NAME] + ([INDEX_NAME] if (path / INDEX_NAME).exists() else [])
-    saved = {}
-    for name in files:
-        data = (path / name).read_bytes()
-        write_bytes_atomic(d / name, data)
-        saved[name] = data
-    write_json_atomic(d / STATE_FILE, {"files": files, "format_version": 1})
+    d = _state_dir(path)
+    try:
+        d.mkdir(exist_ok=True)
+        (d / STATE_FILE).unlink(missing_ok=True)  # an old, stale backup is void from here on
+        files = [CONFIG_NAME] + ([INDEX_NAME] if (path / INDEX_NAME).exists() else [])
+        saved, links = {}, {}
+        for name in files:
+            src = path / name
+            if src.is_symlink():  # a HF cache snapshot: restored as the same link
+                links[name] = os.readlink(src)
+            data = src.read_bytes()
+            write_bytes_atomic(d / name, data)
+            saved[name] = data
+        for name in BACKED_UP:
+            if name not in files:
+                (d / name).unlink(missing_ok=True)
+        st = {"files": files, "format_version": 1}
+        if links:
+            st["links"] = links
+        write_json_atomic(d / STATE_FILE, st)
+    except BaseException:
+        _drop_incomplete_state(d, keep_lock=True)  # no half backup (or empty .embedq/) left
+        raise
     return saved
+
+
+def _drop_incomplete_state(d: Path, keep_lock: bool = False) -> None:
+    """Remove a ``.embedq/`` that holds no complete backup (nothing else of ours in it)."""
+    if (d / STATE_FILE).exists() or d.is_symlink() or not d.is_dir():
+        return
+    for p in d.iterdir():
+        if p.name in BACKED_UP or (p.name == LOCK_FILE and not keep_lock) or (p.name.startswith(".") and p.name.endswith(".partial")):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    with contextlib.suppress(OSError):
+        d.rmdir()  # only if empty: files we did not write stay
 
 
 def cleanup_partials(path: Path) -> list[Path]:
     """Delete temporary files an interrupted embedq run left behind."""
     gone = []
-    for p in list(path.glob(".*.partial")) + list((path / STATE_DIR).glob(".*.partial")):
+    d = path / STATE_DIR
+    extra = list(d.glob(".*.partial")) if d.is_dir() and not d.is_symlink() else []
+    for p in list(path.glob(".*.partial")) + extra:
         try:
             p.unlink()
             gone.append(p)
@@ -67,24 +230,51 @@ def cleanup_partials(path: Path) -> list[Path]:
     return gone
 
 
-def _restore(path: Path, backup: dict[str, bytes]) -> None:
+def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
+    target = path / name
+    if link is not None:
+        dest = (path / link) if not os.path.isabs(link) else Path(link)
+        try:
+            same = dest.is_file() and dest.read_bytes() == data
+        except OSError:
+            same = False
+        if same:  # recreate the link (e.g. to a HF cache blob); never write through it
+            if target.is_symlink() and os.readlink(target) == link:
+                return
+            tmp = path / f".{name}.{os.getpid()}.partial"
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            os.symlink(link, tmp)
+            os.replace(tmp, target)
+            return
+    if target.is_symlink() or not target.exists() or target.read_bytes() != data:
+        write_bytes_atomic(target, data)
+
+
+def _restore(path: Path, backup: dict[str, bytes], links: dict[str, str] | None = None) -> None:
+    links = links or {}
     for name, data in backup.items():
-        target = path / name
-        if not target.exists() or target.read_bytes() != data:
-            write_bytes_atomic(target, data)
+        if name not in BACKED_UP:  # read_backup never yields another name; belt and braces
+            raise OverlayError(f"{path / STATE_DIR}: refusing to restore {name!r}")
+        _restore_one(path, name, data, links.get(name))
     for name in (OVERLAY_NAME, QCONFIG_NAME):
         try:
             (path / name).unlink()
         except FileNotFoundError:
             pass
-    shutil.rmtree(path / STATE_DIR, ignore_errors=True)
+    d = path / STATE_DIR
+    if d.is_dir() and not d.is_symlink():
+        shutil.rmtree(d, ignore_errors=True)
     cleanup_partials(path)
 
 
 def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     """Make a finished overlay visible: the commit sequence of this module's docstring."""
     path = ckpt.path
-    backup = read_backup(path) or write_backup(path)
+    backup, _ = valid_backup(path)
+    if backup is None:  # none, or a stale one (base_state warned): back up what is on disk now
+        backup = write_backup(path)
+    links = _links(path)
     try:
         writer.commit()
         write_json_atomic(path / QCONFIG_NAME, qconfig)
@@ -99,8 +289,66 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
         config["quantization_config"] = qconfig
         write_json_atomic(path / CONFIG_NAME, config)
     except BaseException:
-        _restore(path, backup)
+        _restore(path, backup, links)
         raise
+
+
+@contextlib.contextmanager
+def folder_lock(path: str | os.PathLike, what: str):
+    """Hold the advisory lock of a model folder (``.embedq/lock``, ``fcntl.flock``).
+
+    A second run on the same folder fails at once, naming the process that holds it.
+    A ``.embedq/`` created only for the lock is removed again on the way out.
+    """
+    p = Path(path)
+    d = _state_dir(p)
+    try:
+        d.mkdir(exist_ok=True)
+    except OSError as e:
+        raise OverlayError(f"{p}: folder is not writable ({e.strerror or e})") from None
+    lp = d / LOCK_FILE
+    while True:
+        try:
+            fd = os.open(lp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            _drop_incomplete_state(d)
+            if e.errno == errno.ELOOP:
+                raise OverlayError(f"{lp}: a link, not embedq's lock file; refusing") from None
+            raise OverlayError(f"{p}: folder is not writable ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise OverlayError(f"{p}: another embedq run is working on this folder ({holder}); "
+                               "wait for it to finish") from None
+        try:  # the lock file may have been removed (a finished remove) while we waited
+            same = os.stat(lp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+        d.mkdir(exist_ok=True)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, embedq {what}\n".encode(), 0)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        try:
+            if d.is_dir() and not (d / STATE_FILE).exists():
+                _drop_incomplete_state(d)
+            else:  # an empty lock file stays with the backup: the folder reads the same after
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
 
 
 def remove_overlay(path: str | os.PathLike) -> list[str]:
@@ -108,14 +356,23 @@ def remove_overlay(path: str | os.PathLike) -> list[str]:
     p = Path(path)
     if not (p / CONFIG_NAME).exists():
         raise OverlayError(f"{p / CONFIG_NAME}: no config.json (is this a model folder?)")
-    backup = read_backup(p)
+    with folder_lock(p, "remove"):
+        return _remove(p)
+
+
+def _remove(p: Path) -> list[str]:
+    backup, stale = valid_backup(p)
+    if stale:
+        raise OverlayError(f"{p / STATE_DIR}: the backup there does not match this folder ({stale}); "
+                           f"not restoring it. The newer files are kept; delete {p / STATE_DIR} "
+                           f"(and {OVERLAY_NAME}/{QCONFIG_NAME} if no longer wanted) by hand")
     if backup is None:
         try:
             cfg = json.loads((p / CONFIG_NAME).read_text())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             cfg = {}
-        qc = cfg.get("quantization_config") or {}
-        if qc.get("quant_method") == QUANT_METHOD:
+        qc = (cfg.get("quantization_config") if isinstance(cfg, dict) else None) or {}
+        if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
             raise OverlayError(f"{p}: embedq-derived checkpoint (no original to restore); "
                                "delete the folder or use its source")
         stray = [n for n in (OVERLAY_NAME, QCONFIG_NAME) if (p / n).exists()] + \
@@ -127,19 +384,24 @@ def remove_overlay(path: str | os.PathLike) -> list[str]:
         cleanup_partials(p)
         return stray
     restored = sorted(backup)
-    _restore(p, backup)
+    _restore(p, backup, _links(p))
     return restored
 
 
-def base_state(ckpt: Checkpoint, force: bool = False, derived: bool = False) -> dict | None:
+def base_state(ckpt: Checkpoint, force: bool = False, derived: bool = False,
+               warnings: list[str] | None = None) -> dict | None:
     """Undo a previous overlay in memory; return the original quantization_config.
 
     ``derived``: the result goes to another folder, so an existing overlay here is not
-    replaced and needs no ``force``.
+    replaced and needs no ``force``. A stale backup (the files changed since) is
+    ignored, with a line in ``warnings``; the next commit backs up the current files.
     """
     qc = ckpt.existing_quantization_config()
-    backup = read_backup(ckpt.path)
-    if qc and qc.get("quant_method") == QUANT_METHOD:
+    backup, stale = valid_backup(ckpt.path)
+    if stale and warnings is not None:
+        warnings.append(f"{ckpt.path / STATE_DIR}: ignored a stale backup ({stale}); "
+                        f"the current {CONFIG_NAME} is what `embedq remove` will restore")
+    if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
         if backup is None:
             what = "already an embedq-derived checkpoint; use its source" if derived else (
                 "already quantized by embedq and no original is recorded "

@@ -174,17 +174,66 @@ def config_tie_flag(ckpt: Checkpoint) -> bool:
     return True  # PretrainedConfig's default
 
 
+def candidate_tensors(ckpt: Checkpoint) -> set[str]:
+    """Tensors an overlay may replace: input/output embeddings and MTP/draft tables
+    (by name), whatever the skeleton says."""
+    per_layer = re.compile(r"(^|\.)layers?\.\d+\.")  # e.g. layers.0.attention.output.weight
+    return {n for n in ckpt.weight_map if any(re.search(p, n) for p in EMBED_PATTERNS)
+            or (any(re.search(p, n) for p in HEAD_PATTERNS) and not per_layer.search(n))}
+
+
 def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[Targets, bool]:
-    """Locate the embedding (and head) tensors; returns (targets, config_says_tied)."""
+    """Locate the embedding (and head) tensors; returns (targets, config_says_tied).
+
+    ``override`` (``--targets``): the embedding tensor, optionally followed by the head
+    tensor; each must be one of the model's embeddings, heads or MTP/draft tables.
+    """
     tied_cfg = config_tie_flag(ckpt)
     if override:
+        if len(override) > 2:
+            raise CheckpointError(f"--targets takes the embedding tensor and optionally the head tensor, "
+                                  f"got {len(override)} names ({', '.join(override)})")
         for n in override:
             ckpt.tensor(n)  # raises with the file name if missing
+        try:
+            auto = _discover(ckpt, tied_cfg)
+        except CheckpointError:
+            auto = None
+        allowed = candidate_tensors(ckpt)
+        if auto is not None:
+            allowed |= {x for x in (auto.embedding, auto.head, *auto.extra_embeddings) if x}
+        for n in override:
+            if n not in allowed:
+                raise CheckpointError(f"{ckpt.path}: --targets {n} is not an input or output embedding "
+                                      "(or MTP/draft table) of this model; embedq quantizes only those")
         emb = override[0]
-        head = override[1] if len(override) > 1 else None
-        head_module = head[: -len(".weight")] if head else "lm_head"
-        return Targets(emb, head, head_module, head is None and tied_cfg, [], "override"), tied_cfg
+        if len(override) > 1:
+            head = override[1]
+            head_module = head[: -len(".weight")]
+        else:  # only the embedding named: the head is the model's own (quantized only with --lm-head)
+            head = auto.head if auto is not None and auto.head not in (None, emb) else None
+            head_module = auto.head_module if auto is not None else _default_head_module(emb, "lm_head")
+        t = Targets(emb, head, head_module, tied_cfg, [], "override")
+    else:
+        t = _discover(ckpt, tied_cfg)
+    _check_vocab(ckpt, t.embedding)
+    return t, tied_cfg
 
+
+def _check_vocab(ckpt: Checkpoint, emb: str) -> None:
+    """A table with fewer rows than ``vocab_size`` means the config and weights disagree."""
+    cfgs = [ckpt.config.get("text_config"), ckpt.config]
+    vocab = next((c["vocab_size"] for c in cfgs if isinstance(c, dict) and "vocab_size" in c), None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return
+    info = ckpt.tensor(emb)
+    rows = info.shape[0] if info.shape else 0
+    if rows < vocab:
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: vocab_size is {vocab} but {emb} has {rows} rows "
+                              f"({ckpt.path / info.file}); config and weights disagree")
+
+
+def _discover(ckpt: Checkpoint, tied_cfg: bool) -> Targets:
     found = None
     source = "transformers"
     f = archfacts.facts(ckpt.config, allow_skeleton=True)
@@ -215,7 +264,8 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         if n != emb and _is_mtp(n) and any(re.search(p, n) for p in EMBED_PATTERNS):
             if ckpt.tensor(n).shape == emb_shape:
                 extras.append(n)
-    return Targets(emb, head, head_module, tied_cfg, sorted(extras), source), tied_cfg
+    return Targets(emb, head, head_module, tied_cfg, sorted(extras), source)
+
 
 
 def _default_head_module(emb: str, head: str) -> str:

@@ -8,11 +8,13 @@ import os
 import queue
 import threading
 import warnings
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from embedq.errors import SchemeError
 from embedq.quant.kernels import chunk_stats, quantize_pack
 from embedq.format.codec import pack_int32
 from embedq.quant.rtn import quantize_rtn
@@ -44,22 +46,28 @@ def quantize_chunk(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, ca
 
 @dataclass
 class ErrorStats:
-    """Reconstruction error accumulated over chunks."""
+    """Reconstruction error accumulated over chunks.
+
+    A NaN or infinity anywhere (source or reconstruction) is remembered in ``finite``
+    and makes ``max_abs`` infinite: ``max(0.0, nan)`` would silently read as 0.
+    """
 
     max_abs: float = 0.0
     sq_err: float = 0.0
     sq_ref: float = 0.0
     count: int = 0
+    finite: bool = True
 
     def update(self, x: torch.Tensor, xhat: torch.Tensor) -> None:
         d = xhat - x
-        self.max_abs = max(self.max_abs, float(d.abs().max()))
-        self.sq_err += float((d.double() ** 2).sum())
-        self.sq_ref += float((x.double() ** 2).sum())
-        self.count += x.numel()
+        self.add(float(d.abs().max()) if d.numel() else 0.0, float((d.double() ** 2).sum()),
+                 float((x.double() ** 2).sum()), x.numel())
 
     def add(self, max_abs: float, sq_err: float, sq_ref: float, count: int) -> None:
         """Merge one chunk's already-reduced statistics."""
+        if not (math.isfinite(max_abs) and math.isfinite(sq_err) and math.isfinite(sq_ref)):
+            self.finite = False
+            max_abs = math.inf
         self.max_abs = max(self.max_abs, max_abs)
         self.sq_err += sq_err
         self.sq_ref += sq_ref
@@ -67,11 +75,34 @@ class ErrorStats:
 
     @property
     def rms(self) -> float:
+        if not self.finite:
+            return math.inf
         return (self.sq_err / self.count) ** 0.5 if self.count else 0.0
 
     @property
     def rel_rms(self) -> float:
+        if not self.finite:
+            return math.inf
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
+
+
+class NonFiniteSource(SchemeError):
+    """A source table holds NaN or infinity (quantizing it would hide or spread it)."""
+
+    def __init__(self, where: str, row: int, what: str):
+        super().__init__(f"{where}: row {row} holds {what}; embedq refuses to quantize "
+                         "non-finite values (fix or re-export the checkpoint)")
+        self.row = row
+
+
+def check_finite(x: torch.Tensor, row0: int, where: str) -> None:
+    """Raise :class:`NonFiniteSource` naming the first row of ``x`` with a NaN/inf."""
+    if x.dtype.is_floating_point and not bool(torch.isfinite(x).all()):
+        bad = ~torch.isfinite(x)
+        r = int(bad.any(dim=-1).nonzero()[0, 0]) if x.dim() > 1 else int(bad.nonzero()[0, 0])
+        row = x[r] if x.dim() > 1 else x
+        what = "NaN" if bool(torch.isnan(row).any()) else "an infinity"
+        raise NonFiniteSource(where, row0 + r, what)
 
 
 # --- the fast path: fused kernels, mapped reads, overlapped stages --------------------
@@ -102,8 +133,9 @@ class MappedRows:
     """
 
     def __init__(self, path: str | os.PathLike, offset: int, shape: tuple[int, int],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, name: str | None = None):
         self.path = str(path)
+        self.name = name  # the tensor's name, for error messages
         self.shape = shape
         self.dtype = dtype
         self.row_bytes = shape[1] * torch.empty((), dtype=dtype).element_size()
@@ -227,6 +259,11 @@ class Pipeline:
         self._errors: list[BaseException] = []
         self.hash = hashlib.sha256()
 
+    def _compute(self, a: int, x: torch.Tensor):
+        where = self.source.path + (f": {self.source.name}" if getattr(self.source, "name", None) else "")
+        check_finite(x, a, where)
+        return self.compute(a, x)
+
     def _chunks(self):
         rows = self.source.shape[0]
         for r0 in range(0, rows, self.chunk_rows):
@@ -288,7 +325,7 @@ class Pipeline:
         if not self.threads:
             for a, b in self._chunks():
                 self.hash.update(self.source.buffer(a, b))
-                out = self.compute(a, self.source.rows(a, b))
+                out = self._compute(a, self.source.rows(a, b))
                 self.source.release(a, b)
                 self.write(a, out)
             return self.hash.hexdigest()
@@ -310,7 +347,7 @@ class Pipeline:
                 if item is _STOP:
                     break
                 a, b = item
-                out = self.compute(a, self.source.rows(a, b))
+                out = self._compute(a, self.source.rows(a, b))
                 self.source.release(a, b)
                 if not self._put(write_q, (a, out)):
                     break

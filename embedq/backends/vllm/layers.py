@@ -30,7 +30,8 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from embedq.format.codec import (dequantize_rows, pack_zero_point_rows, unpack_zero_point_rows,
                                  zero_points_of)
-from embedq.format.config import scheme_of
+from embedq.errors import OverlayError
+from embedq.format.config import parse_config, scheme_of
 from embedq.format.constants import FORMAT_VERSION, QCONFIG_NAME, QUANT_METHOD, is_head_name
 from embedq.format.dtypes import dtype_from_name
 
@@ -164,6 +165,10 @@ class EmbedqConfig(QuantizationConfig):
                 f"format_version {FORMAT_VERSION} — upgrade embedq or re-quantize")
         if not config.get("modules"):
             raise ValueError("embedq: quantization_config lists no modules")
+        try:  # the one validated parse (docs/security.md): types, ranges, names
+            parse_config(config, QCONFIG_NAME)
+        except OverlayError as e:
+            raise ValueError(f"embedq: {e}") from None
         base = None
         base_cfg = config.get("base_quantization_config")
         if base_cfg:

@@ -1,0 +1,104 @@
+"""Helpers for the untrusted-folder tests (tests/security): CLI runs, tampering."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from embedq.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def run_cli(*args):
+    """``(exit code, output, exception)`` of one in-process CLI run."""
+    res = runner.invoke(app, [str(a) for a in args])
+    out = res.stdout + (res.stderr if res.stderr_bytes is not None else "")
+    return res.exit_code, out, res.exception
+
+
+def assert_refused(res, *needles):
+    """One line ``embedq: error: ...`` naming ``needles``, exit 2, no traceback."""
+    code, out, exc = res
+    assert code == 2, (code, out, exc)
+    assert exc is None or isinstance(exc, SystemExit), repr(exc)
+    err = [ln for ln in out.splitlines() if ln.startswith("embedq: error:")]
+    assert len(err) == 1, out
+    for n in needles:
+        assert n in err[0], err[0]
+    assert "Traceback" not in out
+    return err[0]
+
+
+def cli_subprocess(*args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "embedq.cli", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tree(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (hidden ones included); links as ``-> target``."""
+    out = {}
+    for p in sorted(Path(path).rglob("*")):
+        rel = str(p.relative_to(path))
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def read_qconfig(folder: Path) -> dict:
+    return json.loads((folder / "quantization_config.json").read_text())
+
+
+def write_qconfig(folder: Path, cfg) -> None:
+    """Write a (maybe malformed) config where readers look: the file, and config.json's copy."""
+    (folder / "quantization_config.json").write_text(json.dumps(cfg))
+    if (folder / "config.json").exists():
+        c = json.loads((folder / "config.json").read_text())
+        if isinstance(c.get("quantization_config"), dict):
+            c["quantization_config"] = cfg
+            (folder / "config.json").write_text(json.dumps(c))
+
+
+def tamper_overlay(folder: Path, fn, *, fix_checksums: bool = True) -> None:
+    """Rewrite ``embedq.safetensors`` with ``fn(tensors)`` applied, keeping its metadata,
+    and (like a careful attacker) update the recorded checksums to match."""
+    file = folder / "embedq.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(file))
+    fn(tensors)
+    file.unlink()
+    save_file(tensors, str(file), metadata=meta)
+    if not fix_checksums:
+        return
+    cfg = read_qconfig(folder)
+    for entry in cfg["modules"].values():
+        for k in list(entry.get("checksums") or {}):
+            if k in tensors:
+                entry["checksums"][k] = hashlib.sha256(
+                    tensors[k].contiguous().view(torch.uint8).numpy()).hexdigest()
+    write_qconfig(folder, cfg)
+
+
+def set_source_row(folder: Path, tensor: str, row: int, value: float) -> None:
+    """Put ``value`` into one row of a source tensor of a single-file checkpoint."""
+    file = folder / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(file))
+    t[tensor][row, 3] = value
+    file.unlink()
+    save_file(t, str(file), metadata=meta)
