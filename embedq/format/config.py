@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from embedq.errors import EmbedqError, OverlayError
 from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUANT_METHOD, ROLES,
-                                     ST_FLOAT_NAMES, SUPPORTED_BITS, is_embedding_name,
+                                     ST_FLOAT_NAMES, SUPPORTED_BITS, is_embedding_name, may_replace,
                                      is_head_name)
 from embedq.format.scheme import Scheme
 
@@ -198,10 +198,10 @@ def _entry(name: str, e: Any, where: str) -> ModuleEntry:
     if not isinstance(role, str) or role not in ROLES:
         raise OverlayError(f"{where}: module {name}: role must be one of {list(ROLES)}, got {_show(role)}")
     # An overlay replaces embedding tables and heads, nothing else.
-    if role == "head" and not is_head_name(name):
+    if role == "head" and not may_replace(name, role):
         raise OverlayError(f"{where}: module {name} has role 'head' but is not an output "
                            "embedding (lm_head ...); an overlay replaces only embeddings and heads")
-    if role != "head" and not is_embedding_name(name):
+    if role != "head" and not may_replace(name, role):
         raise OverlayError(f"{where}: module {name} is not an embedding table (embed_tokens, wte ...); "
                            "an overlay replaces only embeddings and heads")
     shape = e.get("shape")
@@ -280,7 +280,7 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
             raise OverlayError(f"{where}: alias {alias} -> {_show(owner)}, which is not a quantized module")
         if alias in modules:
             raise OverlayError(f"{where}: alias {alias} is also a quantized module")
-        if not (is_head_name(alias) or is_embedding_name(alias)):
+        if not (may_replace(alias, "head") or may_replace(alias, "mtp")):
             raise OverlayError(f"{where}: alias {alias} is not an embedding or head; an overlay "
                                "replaces only embeddings and heads")
     base = cfg.get("base_quantization_config")

@@ -19,7 +19,12 @@ HEAD_NAMES = ("lm_head", "embed_out", "output")
 # Last name component of an input-embedding (or MTP/draft embedding) module: the only
 # modules an overlay may replace besides the heads above.
 EMBED_NAMES = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tok_embeddings",
-               "embeddings", "embed", "shared", "token_embedding", "tok_emb")
+               "embeddings", "embed", "shared", "token_embedding", "tok_emb", "tokens_embed",
+               "word_embedding", "entity_embeddings", "w", "proj")
+# Last name component of every output embedding transformers' models use (their saved and
+# module spellings, e.g. BERT's cls.predictions.decoder, XLNet's lm_loss, Whisper's proj_out).
+OUTPUT_NAMES = HEAD_NAMES + ("decoder", "cls", "head", "lm_loss", "out_proj", "proj", "proj_out",
+                             "output_projection", "vocab_projector", "generator_lm_head")
 # Tensors of one quantized module in the overlay: "<module>.<suffix>".
 OVERLAY_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
@@ -35,6 +40,16 @@ ST_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 def is_embedding_name(module: str) -> bool:
     """Whether ``module`` names an input (or MTP/draft) embedding (``model.embed_tokens`` ...)."""
     return module.split(".")[-1] in EMBED_NAMES
+
+
+def may_replace(module: str, role: str) -> bool:
+    """Whether an overlay module of ``role`` may be named ``module``: an input embedding or an
+    output head by its name, never a module inside a numbered layer (MTP/draft tables,
+    role ``mtp``, may be: DeepSeek keeps them in ``model.layers.<n>``)."""
+    parts = module.split(".")
+    if role != "mtp" and any(p.isdigit() for p in parts):
+        return False
+    return parts[-1] in (OUTPUT_NAMES if role == "head" else EMBED_NAMES)
 
 
 def is_head_name(module: str) -> bool:
