@@ -13,7 +13,7 @@ VERSION="${EMBEDQ_OPTIMUM_ONNX_VERSION:-0.1.0}"
 CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
 VENV="${EMBEDQ_OPTIMUM_VENV:-$CACHE/optimum-onnx-venv}"
 PY="$VENV/bin/python"
-MARKER="$VENV/.embedq-optimum-onnx-$VERSION.ok"
+MARKER="$VENV/.embedq-optimum-onnx-$VERSION-r2.ok"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if [[ ! -f "$MARKER" || ! -x "$PY" ]]; then
     rm -rf "$VENV"
@@ -23,8 +23,8 @@ if [[ ! -f "$MARKER" || ! -x "$PY" ]]; then
     trap 'rm -f "$CONSTRAINTS"' EXIT
     echo "torch==2.13.0" > "$CONSTRAINTS"
     "$PY" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0" "optimum-onnx==$VERSION" \
-        "transformers>=4.50,<4.58" onnx onnxruntime >&2
-    "$PY" -c "import torch, optimum.exporters.onnx; assert torch.__version__.startswith('2.13.0')" >&2
+        "transformers>=4.50,<4.58" accelerate onnx onnxruntime >&2
+    "$PY" -c "import torch, accelerate, optimum.exporters.onnx; assert torch.__version__.startswith('2.13.0')" >&2
     touch "$MARKER"
 fi
 echo "$PY"
