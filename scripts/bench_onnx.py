@@ -142,7 +142,7 @@ def build_folders(args, site: Path) -> dict[str, Path]:
     def builder(out: Path, precision: str, *extra: str) -> Path:
         if not (out / "genai_config.json").exists():
             t0 = time.perf_counter()
-            cmd = [py, "-m", "onnxruntime_genai.models.builder", "-i", str(args.model), "-o", str(out),
+            cmd = [py, str(REPO / "scripts" / "genai_build.py"), "-i", str(args.model), "-o", str(out),
                    "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")]
             if extra:
                 cmd += ["--extra_options", *extra]

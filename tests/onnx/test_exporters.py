@@ -72,7 +72,7 @@ def builder_folder(genai_site, checkpoints, onnx_root):
         if kind not in cache:
             out = onnx_root / f"builder-{kind}"
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(genai_site), str(REPO)]))
-            p = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+            p = subprocess.run([sys.executable, str(REPO / "scripts" / "genai_build.py"), "-i",
                                 str(checkpoints(kind)), "-o", str(out), "-p", "fp32", "-e", "cpu",
                                 "-c", str(onnx_root / "builder-cache")],
                                capture_output=True, text=True, env=env)
