@@ -2,6 +2,7 @@
 
     python scripts/bench_onnx.py q4     # 4-bit table accuracy: embedq RTN vs builder-style RTN
     python scripts/bench_onnx.py speed  # decode tokens/s, session memory, greedy agreement
+    python scripts/bench_onnx.py tables # tied table at run time: one copy or two? (synthetic)
 
 ``q4`` (issue #14 item 3, a measurement for the quantizer's owner): the tied table is
 quantized 4-bit g32 symmetric by (A) embedq's RTN (absmax/7, codes -7..7, bf16 scales
@@ -19,6 +20,13 @@ tokens), builds the builder's own int4 folder, and runs each with onnxruntime_ge
 its own process: prompt + ``--new`` greedy tokens, decode tokens/s (best of
 ``--repeat``), RSS added by loading the model, and greedy agreement with the fp32 graph.
 Needs scripts/setup_genai_onnx.sh. Prints a markdown table and JSON.
+
+``tables`` (issue #14 item 4): a Gemma-sized tied table (262144 x 640, random bytes) as
+GatherBlockQuantized + MatMulNBits, (a) embedq's layout: one 2-D uint8 initializer that
+MatMulNBits reads through a Reshape, and (b) one 3-D ``[V, blocks, blob]`` initializer
+read by both (GatherBlockQuantized with quantize_axis=2 and [V, blocks, 1] scales, then
+a Reshape of the gathered rows), at accuracy_level 0 and 4, inline (no mmap). Reports
+the anonymous memory a session adds, and one gather + head call's time.
 """
 
 from __future__ import annotations
@@ -177,13 +185,15 @@ r0 = rss(); t = time.perf_counter()
 model = og.Model(folder)
 load_s = time.perf_counter() - t; r1 = rss()
 tok = og.Tokenizer(model)
-res = {"load_s": load_s, "rss_model_mib": r1 - r0, "tokens": [], "decode_tps": [], "prefill_s": []}
+res = {"load_s": load_s, "rss_model_mib": r1 - r0, "tokens": [], "decode_tps": [], "prefill_s": [], "ids": []}
 for p in prompts:
     ids = tok.encode(p)
+    res["ids"].append([int(i) for i in ids])
     best = None
     for _ in range(repeat):
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + new)
+        # max_length >= the sliding window (Gemma 3: 512): GQA sizes its cache by it
+        params.set_search_options(do_sample=False, max_length=max(1024, len(ids) + new))
         g = og.Generator(model, params)
         t = time.perf_counter(); g.append_tokens(ids); t1 = time.perf_counter()
         out = []
@@ -198,6 +208,47 @@ res["rss_end_mib"] = rss() - r0
 res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(res))
 """
+
+
+def _prefix(refs: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
+    """Tokens generated before the first difference, summed over prompts; and the total."""
+    agree = total = 0
+    for a, b in zip(refs, got):
+        n = min(len(a), len(b))
+        agree += next((i for i in range(n) if a[i] != b[i]), n)
+        total += n
+    return agree, total
+
+
+def reference_tokens(args, folders: dict, results: dict) -> dict[str, list[list[int]]]:
+    """transformers greedy tokens (float32) with the table each ONNX variant computes with:
+    the float table for fp32, the overlay's dequantized table for embedq's patches."""
+    import torch
+    import transformers as tf
+
+    import embedq
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    emb = model.get_input_embeddings().weight
+    orig = emb.detach().clone()
+    out = {}
+    for name, r in results.items():
+        if name.startswith("fp32"):
+            table = orig
+        elif "embedq" in name:
+            ov = embedq.load_overlay(Path(args.work) / f"overlay-{name.split()[0]}")
+            table = ov.tables["model.embed_tokens"].dequantize(torch.float32)
+        else:
+            continue
+        toks = []
+        with torch.inference_mode():
+            emb.data.copy_(table)
+            for ids, got in zip(r["ids"], r["tokens"]):
+                x = torch.tensor([ids])
+                g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(got),
+                                   do_sample=False)
+                toks.append(g[0, len(ids):].tolist())
+        out[name] = toks
+    return out
 
 
 def cmd_speed(args) -> dict:
@@ -217,34 +268,102 @@ def cmd_speed(args) -> dict:
         print(f"  {name}: {sum(results[name]['decode_tps']) / len(results[name]['decode_tps']):.1f} tok/s",
               file=sys.stderr)
     ref = results.get("fp32 (builder)")
+    torch_ref = reference_tokens(args, folders, results)
     rows = []
     for name, r in results.items():
-        agree = total = 0
-        if ref:
-            for a, b in zip(ref["tokens"], r["tokens"]):
-                n = min(len(a), len(b))
-                k = next((i for i in range(n) if a[i] != b[i]), n)
-                agree += k
-                total += n
+        agree, total = _prefix(ref["tokens"], r["tokens"]) if ref else (0, 0)
+        tagree, ttotal = _prefix(torch_ref[name], r["tokens"]) if name in torch_ref else (0, 0)
+        r["torch_same"] = f"{tagree}/{ttotal}" if name in torch_ref else "-"
+        r["torch_prompts_equal"] = (sum(a[:len(b)] == b for a, b in zip(torch_ref[name], r["tokens"]))
+                                    if name in torch_ref else None)
         size = sum(f.stat().st_size for f in folders[name].iterdir() if f.name.startswith("model.onnx"))
         rows.append({"variant": name, "decode_tok_s": sum(r["decode_tps"]) / len(r["decode_tps"]),
                      "decode_tok_s_per_prompt": r["decode_tps"], "prefill_s": r["prefill_s"],
                      "rss_model_mib": r["rss_model_mib"], "peak_rss_mib": r["peak_rss_mib"],
-                     "file_mib": size / 2**20, "greedy_same_prefix": f"{agree}/{total}", "tokens": r["tokens"]})
+                     "file_mib": size / 2**20, "greedy_same_prefix": f"{agree}/{total}",
+                     "same_as_torch_reference": r["torch_same"], "prompts_equal_torch": r["torch_prompts_equal"],
+                     "tokens": r["tokens"]})
     load = os.getloadavg()
     print(f"\nonnxruntime-genai greedy, {len(PROMPTS)} prompts x {args.new} new tokens, best of "
           f"{args.repeat}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, {os.cpu_count()} cores\n")
     print("| variant | decode tok/s | model files MiB | RSS after load MiB | peak RSS MiB | "
-          "greedy tokens = fp32 (common prefix) |\n|---|---|---|---|---|---|")
+          "greedy = fp32 graph (common prefix) | greedy = transformers with the same table |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['decode_tok_s']:.1f} | {r['file_mib']:.0f} | {r['rss_model_mib']:.0f} | "
-              f"{r['peak_rss_mib']:.0f} | {r['greedy_same_prefix']} |")
+              f"{r['peak_rss_mib']:.0f} | {r['greedy_same_prefix']} | {r['same_as_torch_reference']} |")
     return {"speed": rows, "loadavg": load}
+
+
+TABLES_RUNNER = r"""
+import os, sys, time, numpy as np, onnx
+from onnx import TensorProto as TP, helper as h, numpy_helper as nh
+layout, level, bits, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+V, H = 262144, 640
+block = 32 if bits == 4 else 128
+nb = H // block; blob = block * bits // 8
+rng = np.random.default_rng(0)
+data = rng.integers(0, 256, (V, H * bits // 8), dtype=np.uint8)
+sc = (rng.random((V, nb)) * 0.01).astype(np.float32)
+zp = np.full((V, (nb * bits + 7) // 8), 0x88 if bits == 4 else 128, np.uint8)
+inits = [nh.from_array(sc, "S"), nh.from_array(zp, "Z")]
+mm = dict(domain="com.microsoft", K=H, N=V, bits=bits, block_size=block, accuracy_level=level)
+if layout == "reshape":
+    inits += [nh.from_array(data, "W"), nh.from_array(np.array([V, nb, blob], np.int64), "shp")]
+    nodes = [h.make_node("GatherBlockQuantized", ["W", "ids", "S", "Z"], ["e"], domain="com.microsoft",
+                         bits=bits, block_size=block, gather_axis=0, quantize_axis=1),
+             h.make_node("Reshape", ["W", "shp"], ["W3"]), h.make_node("MatMulNBits", ["x", "W3", "S", "Z"], ["y"], **mm)]
+else:
+    inits += [nh.from_array(data.reshape(V, nb, blob), "W"), nh.from_array(sc.reshape(V, nb, 1), "S3"),
+              nh.from_array(np.array([-1, H], np.int64), "shp")]
+    nodes = [h.make_node("GatherBlockQuantized", ["W", "ids", "S3"], ["e3"], domain="com.microsoft",
+                         bits=bits, block_size=block, gather_axis=0, quantize_axis=2),
+             h.make_node("Reshape", ["e3", "shp"], ["e"]), h.make_node("MatMulNBits", ["x", "W", "S", "Z"], ["y"], **mm)]
+g = h.make_graph(nodes, "g", [h.make_tensor_value_info("ids", TP.INT64, [None]),
+                              h.make_tensor_value_info("x", TP.FLOAT, [None, H])],
+                 [h.make_tensor_value_info("e", TP.FLOAT, None), h.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+m = h.make_model(g, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)]); m.ir_version = 9
+onnx.save(m, path)
+del m, g, inits, data
+import gc; gc.collect()
+import onnxruntime as ort
+def anon():
+    for l in open("/proc/self/smaps_rollup"):
+        if l.startswith("Anonymous:"): return int(l.split()[1]) / 1024
+a0 = anon()
+s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+x = rng.standard_normal((1, H)).astype(np.float32); ids = np.array([5], np.int64)
+s.run(None, {"ids": ids, "x": x})
+t = time.perf_counter()
+for _ in range(5): s.run(None, {"ids": ids, "x": x})
+print(anon() - a0, (time.perf_counter() - t) / 5 * 1e3)
+"""
+
+
+def cmd_tables(args) -> dict:
+    import tempfile
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for bits in (4, 8):
+            for level in (0, 4):
+                for layout in ("reshape", "shared3d"):
+                    p = subprocess.run([sys.executable, "-c", TABLES_RUNNER, layout, str(level), str(bits),
+                                        f"{tmp}/m.onnx"], capture_output=True, text=True, check=True)
+                    mib, ms = map(float, p.stdout.split())
+                    rows.append({"bits": bits, "accuracy_level": level, "layout": layout,
+                                 "session_anon_mib": mib, "gather_head_ms": ms})
+    table = 262144 * 640 / 2**20
+    print(f"\nGemma-sized tied table (uint8 bytes: int4 {table / 2:.0f} MiB, int8 {table:.0f} MiB)\n")
+    print("| bits | accuracy_level | layout | session memory MiB | gather + head ms |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| int{r['bits']} | {r['accuracy_level']} | {r['layout']} | {r['session_anon_mib']:.0f} | "
+              f"{r['gather_head_ms']:.1f} |")
+    return {"tables": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["q4", "speed"])
+    ap.add_argument("what", choices=["q4", "speed", "tables"])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--work", default=str(CACHE / "bench-onnx"))
     ap.add_argument("--contexts", type=int, default=8)
@@ -253,7 +372,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
-    res = cmd_q4(args) if args.what == "q4" else cmd_speed(args)
+    res = {"q4": cmd_q4, "speed": cmd_speed, "tables": cmd_tables}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 
