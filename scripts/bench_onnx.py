@@ -166,7 +166,7 @@ def build_folders(args, site: Path) -> dict[str, Path]:
         if not (ov / "quantization_config.json").exists():
             embedq.quantize(args.model, bits=bits, group_size=0 if group is None else group,
                             output=ov, overlay_only=True, progress=False)
-        for level in ((4, 0) if bits == 8 else (4,)):
+        for level in (4, 0):
             out = work / f"embedq-{name}-level{level}"
             if not (out / "genai_config.json").exists():
                 patch_model(folders["fp32 (builder)"], ov, out, accuracy_level=level, force=True)
@@ -256,10 +256,11 @@ def cmd_speed(args) -> dict:
     folders = build_folders(args, site)
     results = {}
     for name, folder in folders.items():
-        new = 4 if "level 0" in name else args.new  # int8 at level 0: ~1 s per token
-        prompts = PROMPTS[:1] if "level 0" in name else PROMPTS
+        slow = name.startswith("int8") and "level 0" in name  # ~1 s per token
+        new = 4 if slow else args.new
+        prompts = PROMPTS[:1] if slow else PROMPTS
         p = subprocess.run([sys.executable, "-c", RUNNER, str(folder), json.dumps(prompts), str(new),
-                            str(1 if "level 0" in name else args.repeat)],
+                            str(1 if slow else args.repeat)],
                            env=_env(site), capture_output=True, text=True)
         if p.returncode:
             print(f"{name}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
