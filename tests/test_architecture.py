@@ -138,9 +138,17 @@ def test_each_format_fact_defined_once(fact, pattern):
 
 
 def test_one_decoder_for_every_reader():
-    users = {"embedq/backends/transformers/modules.py", "embedq/backends/transformers/__init__.py",
-             "embedq/backends/vllm/layers.py", "embedq/jobs/verify.py"}
-    onnx = [p for p in MODULES if "backends/onnx" in str(p)]
-    for rel in sorted(users) + [str(p.relative_to(PKG.parent)) for p in onnx][:1]:
-        src = (PKG.parent / rel).read_text()
-        assert re.search(r"embedq\.format\.(codec|reader)", src), f"{rel} does not decode through embedq.format"
+    """verify and every back end read overlays through embedq.format (reader / codec)."""
+    readers = {"transformers": "embedq/backends/transformers", "vllm": "embedq/backends/vllm",
+               "onnx": "embedq/backends/onnx", "verify": "embedq/jobs/verify.py"}
+    for name, rel in readers.items():
+        path = PKG.parent / rel
+        srcs = [p.read_text() for p in (sorted(path.rglob("*.py")) if path.is_dir() else [path])]
+        assert any(re.search(r"embedq\.format\.(codec|reader|fastpath)", s) for s in srcs), \
+            f"{rel} does not decode through embedq.format"
+    # and nobody else unpacks bits: the shift-and-mask decoding lives in format/ only
+    for p in MODULES:
+        rel = str(p.relative_to(PKG.parent))
+        if rel.startswith("embedq/format/"):
+            continue
+        assert not re.search(r">>\s*4\b.*0x0F|& 0x0F", p.read_text()), f"{rel} unpacks 4-bit codes itself"

@@ -9,6 +9,23 @@ import typer
 
 from embedq.cli.common import run
 
+_ACCURACY_HELP = ("MatMulNBits accuracy_level 0-4 (default: per device as onnxruntime-genai's "
+                  "builder: cpu/webgpu 4 = int8 activations, 3-30x faster heads; 0 = float)")
+
+
+def _backend():
+    """The back end, or one ``embedq: error:`` line when the onnx extra is missing."""
+    from embedq.errors import EmbedqError
+
+    def load():
+        try:
+            from embedq.backends import onnx as backend
+            backend.require_onnx()
+        except ImportError as e:  # a dependency of the back end itself (numpy/torch: broken install)
+            raise EmbedqError(f"{e.name or e}: not installed: pip install 'embedq[onnx]'") from None
+        return backend
+    return run(load)
+
 
 def register(app: typer.Typer) -> None:
     onnx_app = typer.Typer(
@@ -17,13 +34,19 @@ def register(app: typer.Typer) -> None:
 
     @onnx_app.command("patch")
     def patch(
-        model: Path = typer.Argument(..., help="Float ONNX model (.onnx; external data is streamed)"),
+        model: Path = typer.Argument(..., help="Float ONNX model (.onnx; external data is streamed), "
+                                     "or an onnxruntime-genai folder (genai_config.json beside it)"),
         overlay: Path = typer.Option(..., "--overlay", help="Folder with the embedq overlay "
                                      "(quantization_config.json + embedq.safetensors)"),
-        output: Path = typer.Option(..., "--output", "-o", help="Patched model to write"),
+        output: Path = typer.Option(..., "--output", "-o",
+                                    help="Patched model to write (a folder for a genai folder)"),
         external_data: Optional[bool] = typer.Option(
             None, "--external-data/--no-external-data",
             help="Weights in OUTPUT.data (default: as the input, or when over 2 GB)"),
+        accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help=_ACCURACY_HELP),
+        execution_provider: Optional[str] = typer.Option(
+            None, "--execution-provider", help="cpu, cuda, webgpu, ... (picks the default "
+            "accuracy level; default: a genai folder's configured provider, else cpu)"),
         force: bool = typer.Option(False, "--force", help="Replace OUTPUT (or patch MODEL in place)"),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     ) -> None:
@@ -32,8 +55,10 @@ def register(app: typer.Typer) -> None:
         The float table must be the overlay's source (checked by sha256 or, for a
         float16 graph of a bfloat16 model, sampled rows); anything else is refused.
         """
-        from embedq.backends.onnx import patch_model
-        report = run(patch_model, model, overlay, output, external_data=external_data, force=force)
+        backend = _backend()
+        report = run(backend.patch_model, model, overlay, output, external_data=external_data,
+                      force=force, accuracy_level=accuracy_level,
+                      execution_provider=execution_provider)
         typer.echo(report.to_json() if as_json else report.table())
 
     @onnx_app.command("export")
@@ -49,17 +74,20 @@ def register(app: typer.Typer) -> None:
         external_data: Optional[bool] = typer.Option(
             None, "--external-data/--no-external-data",
             help="Weights in OUTPUT.data (default: only when over 2 GB)"),
+        accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help=_ACCURACY_HELP),
         force: bool = typer.Option(False, "--force", help="Replace OUTPUT"),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     ) -> None:
-        """Export MODEL (a transformers causal LM) with torch.onnx and patch it in one step.
+        """Quick check: export MODEL with torch.onnx (no KV cache) and patch it in one step.
 
-        The graph takes ``input_ids`` [batch, seq] and returns ``logits`` (no KV cache).
+        The graph takes ``input_ids`` [batch, seq] and returns ``logits``. For serving,
+        build the graph with onnxruntime-genai's model builder or optimum
+        (text-generation-with-past) and run ``embedq onnx patch`` on it (docs/onnx.md).
         """
-        from embedq.backends.onnx import export_model
-        report = run(export_model, model, output, overlay=overlay, dtype=dtype,
+        backend = _backend()
+        report = run(backend.export_model, model, output, overlay=overlay, dtype=dtype,
                       external_data=external_data, force=force, opset=opset,
-                      optimize=optimize)
+                      optimize=optimize, accuracy_level=accuracy_level)
         typer.echo(report.to_json() if as_json else report.table())
 
     app.add_typer(onnx_app, name="onnx")

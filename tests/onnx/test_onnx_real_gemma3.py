@@ -24,7 +24,7 @@ def test_gemma3_270m_export_patch_q4(gemma3_copy, tmp_path):
     embedq.quantize(gemma3_copy, bits=4, progress=False)  # in place: g32 symmetric
     out = tmp_path / "gemma3-270m-q4.onnx"
     # optimize=False: onnxscript's optimizer roughly doubles the export time here
-    report = export_model(gemma3_copy, out, optimize=False)
+    report = export_model(gemma3_copy, out, optimize=False, accuracy_level=0)  # float activations
     V, H = 262144, 640
     emb, head = report.modules
     assert (emb.op, head.op) == ("GatherBlockQuantized", "MatMulNBits")
@@ -52,3 +52,61 @@ def test_gemma3_270m_export_patch_q4(gemma3_copy, tmp_path):
           f"{ids.shape[1]} positions; max |logit diff| {np.abs(got - ref).max():.2e}")
     assert got.argmax(-1)[0, -1] == ref.argmax(-1)[0, -1]
     assert agree >= 0.95
+
+
+@pytest.mark.slow
+def test_gemma3_270m_genai_builder_folder(gemma3_270m, tmp_path):
+    """The onnxruntime-genai builder's default Gemma 3 graph (tied: Gather of a Transpose of
+    the head's [H, V] initializer) patched as a folder; onnxruntime_genai generates what
+    transformers with the dequantized table generates (accuracy_level 0: float activations)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    import transformers as tf
+
+    from embedq.backends.onnx import patch_model
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.run(["bash", str(repo / "scripts" / "setup_genai_onnx.sh")], capture_output=True, text=True)
+    if p.returncode:
+        pytest.skip("onnxruntime-genai cannot be installed here")
+    site = p.stdout.strip().splitlines()[-1]
+    fp32 = tmp_path / "genai-fp32"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(repo)]))
+    subprocess.run([sys.executable, str(repo / "scripts" / "genai_build.py"), "-i", str(gemma3_270m),
+                    "-o", str(fp32), "-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "cache")],
+                   check=True, env=env, capture_output=True)
+    ov = tmp_path / "ov"
+    embedq.quantize(gemma3_270m, bits=4, output=ov, overlay_only=True, progress=False)
+    out = tmp_path / "genai-q4"
+    r = patch_model(fp32, ov, out, accuracy_level=0)
+    assert [(m.op, m.replaced, m.source_check) for m in r.modules] == [
+        ("GatherBlockQuantized", "lm_head.MatMul.weight", "sha256"),
+        ("MatMulNBits", "lm_head.MatMul.weight", "sha256")]
+    mp = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert not [i for i in mp.graph.initializer if sorted(i.dims) == [640, 262144]]
+    del mp
+    if site not in sys.path:
+        sys.path.append(site)
+    import onnxruntime_genai as og
+    model = og.Model(str(out))
+    ids = og.Tokenizer(model).encode("The capital of France is")
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=1024)  # >= Gemma's sliding window
+    g = og.Generator(model, params)
+    g.append_tokens(ids)
+    got = []
+    while len(got) < 12:
+        g.generate_next_token()
+        got.append(int(g.get_next_tokens()[0]))
+    del g, model
+    gc.collect()
+    ref = tf.AutoModelForCausalLM.from_pretrained(gemma3_270m, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref.get_input_embeddings().weight.copy_(
+            embedq.load_overlay(ov).tables["model.embed_tokens"].dequantize(torch.float32))
+        x = torch.tensor([list(ids)])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+    assert got == want[0, x.shape[1]:].tolist()

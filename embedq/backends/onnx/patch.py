@@ -1,0 +1,487 @@
+"""``patch_model``: rewrite a float graph to read the overlay's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DOMAIN, META_PREFIX,
+                                         PROTOBUF_LIMIT, OnnxError, iter_graphs, iter_tensors, TensorRef,
+                                         torch_dtype_of, tensor_proto, check_external_data,
+                                         onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points,
+                                         require_onnx)
+from embedq.backends.onnx.common import external_data as _external_file
+from embedq.backends.onnx.graph import find_gathers, find_heads, GraphIndex, TableMatch, overlay_targets
+from embedq.backends.onnx.source import SourceCheck, check_source
+from embedq.backends.onnx.write import write_model
+
+
+# ---------------------------------------------------------------------- the report
+
+@dataclass
+class OnnxModuleReport:
+    module: str
+    table: str  # overlay module owning the bytes
+    op: str
+    node: str
+    replaced: str  # float initializer replaced
+    scheme: str
+    bits: int
+    block_size: int
+    blocks_per_row: int
+    source_check: str
+    float_bytes: int
+    quantized_bytes: int  # 0 when the bytes are shared with another module
+
+
+@dataclass
+class OnnxReport:
+    model: str
+    output: str
+    overlay: str
+    modules: list[OnnxModuleReport]
+    initializer_bytes_before: int
+    initializer_bytes_after: int
+    file_bytes: int
+    external_data: bool
+    min_onnxruntime: str
+    seconds: float = 0.0
+    export_seconds: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    accuracy_level: int | None = None  # of the MatMulNBits heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        def mb(n: int) -> str:
+            return f"{n / 2**20:.2f} MiB"
+        lines = [f"{self.output}  (from {self.model}, overlay {self.overlay})"]
+        for m in self.modules:
+            q = "shared" if m.quantized_bytes == 0 else mb(m.quantized_bytes)
+            lines.append(f"  {m.module:<28} {m.op:<21} {m.scheme:<14} block {m.block_size:<4} "
+                         f"{mb(m.float_bytes):>12} -> {q:>12}  source: {m.source_check}")
+        lines.append(f"  initializers {mb(self.initializer_bytes_before)} -> "
+                     f"{mb(self.initializer_bytes_after)}; file(s) {mb(self.file_bytes)}"
+                     f"{' (external data)' if self.external_data else ''}; "
+                     f"needs onnxruntime >= {self.min_onnxruntime}"
+                     + ("" if self.accuracy_level is None else f"; MatMulNBits accuracy_level {self.accuracy_level}"))
+        t = f"{self.seconds:.1f}s" if self.export_seconds is None else \
+            f"{self.seconds:.1f}s (export {self.export_seconds:.1f}s)"
+        lines.append(f"  done in {t}")
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# --------------------------------------------------------------------------- patch
+
+#: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
+#: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
+DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "webgpu": 4}
+GENAI_CONFIG = "genai_config.json"
+
+
+def default_accuracy_level(execution_provider: str) -> int:
+    return DEFAULT_ACCURACY_LEVEL.get(execution_provider.lower(), 0)
+
+
+def load_onnx_model(path: Path):
+    import onnx
+    if not path.exists():
+        raise OnnxError(f"{path}: no such file")
+    if path.is_dir():
+        raise OnnxError(f"{path}: a folder without {GENAI_CONFIG}; pass the .onnx file")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise OnnxError(f"{path}: not a readable ONNX model ({e})") from None
+
+
+def _initializer_bytes(model, base_dir: Path) -> int:
+    return sum(TensorRef(i, base_dir).nbytes() for i in model.graph.initializer)
+
+
+@dataclass
+class _Patch:
+    """What the steps of :func:`patch_model` share."""
+    src_path: Path
+    out_path: Path
+    ov_path: Path
+    cfg: dict
+    mp: object  # ModelProto (no external data loaded)
+    G: GraphIndex
+    accuracy_level: int
+    warnings: list[str] = field(default_factory=list)
+    ov: object = None  # the loaded overlay (step 2)
+    min_ort: str = MIN_ORT
+
+
+def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: str | os.PathLike,
+                *, external_data: bool | None = None, force: bool = False,
+                accuracy_level: int | None = None, execution_provider: str | None = None) -> OnnxReport:
+    """Rewrite a float ONNX graph to read the overlay's quantized tables.
+
+    ``model`` is a ``.onnx`` file, or an onnxruntime-genai folder (``genai_config.json``
+    beside its model): then ``output`` is a folder, written complete (config, tokenizer
+    and other files copied) so that onnxruntime_genai opens it as is.
+    ``external_data``: None keeps the input's choice (and switches to external data
+    when the result would not fit protobuf's 2 GB); True/False force it.
+    ``accuracy_level`` of MatMulNBits: None picks the builder's per-device default for
+    ``execution_provider`` (CPU 4; a genai folder's provider is read from its config).
+    """
+    require_onnx()
+    src = Path(model)
+    if src.is_dir() and (src / GENAI_CONFIG).is_file():
+        return _patch_genai_folder(src, Path(overlay), Path(output), external_data=external_data,
+                                   force=force, accuracy_level=accuracy_level,
+                                   execution_provider=execution_provider)
+    return _patch_file(src, Path(overlay), Path(output), external_data=external_data, force=force,
+                       accuracy_level=accuracy_level, execution_provider=execution_provider)
+
+
+def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data: bool | None,
+                force: bool, accuracy_level: int | None, execution_provider: str | None) -> OnnxReport:
+    from embedq.format.reader import read_overlay_config
+    t0 = time.perf_counter()
+    if out_path.exists() and not force and out_path.resolve() != src_path.resolve():
+        raise OnnxError(f"{out_path}: already exists (pass --force to replace it)")
+    if out_path.exists() and not force:
+        raise OnnxError(f"{out_path}: is the input model; pass --force to patch it in place")
+    if accuracy_level is None:
+        accuracy_level = default_accuracy_level(execution_provider or "cpu")
+    if accuracy_level not in range(5):
+        raise OnnxError(f"accuracy_level {accuracy_level}: expected 0-4 (MatMulNBits)")
+    cfg = read_overlay_config(ov_path)
+    mp = load_onnx_model(src_path)
+    # Before anything is read: every external data location must stay in the model's folder.
+    check_external_data(mp, src_path.parent, src_path)
+    P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level)
+
+    matches, head_modules = _find_matches(P)
+    matches = _check_sources(P, matches)
+    new_nodes, new_tensors, extra_inits, reports = _build_nodes(P, matches, head_modules)
+    bytes_before = _initializer_bytes(mp, P.G.base_dir)
+    _rewrite_graph(P, matches, new_nodes, reports)
+    _record_metadata(P, reports)
+
+    if P.min_ort == MIN_ORT_ODD_BLOCKS_4BIT:
+        P.warnings.append("asymmetric 4-bit rows with an odd number of blocks: onnxruntime 1.23-1.26 "
+                          f"mis-decode their zero points; use onnxruntime >= {MIN_ORT_ODD_BLOCKS_4BIT}")
+    bytes_after = bytes_before - sum(r.float_bytes for r in reports) \
+        + sum(a.nbytes for a in new_tensors.values()) + sum(TensorRef(i, P.G.base_dir).nbytes() for i in extra_inits)
+    had_external = any(t.data_location == tensor_proto().EXTERNAL for t in iter_tensors(mp))
+    if external_data is None:
+        external_data = had_external or bytes_after > PROTOBUF_LIMIT * 0.9
+    if not external_data and bytes_after > PROTOBUF_LIMIT * 0.95:
+        raise OnnxError(f"{out_path}: {bytes_after / 1e9:.2f} GB of initializers do not fit one "
+                        "protobuf file; pass --external-data")
+    P.G.g.initializer.extend(extra_inits)
+    file_bytes = write_model(mp, P.G.base_dir, out_path, new_tensors, external_data)
+    return OnnxReport(str(src_path), str(out_path), str(ov_path), reports, bytes_before, bytes_after,
+                      file_bytes, external_data, P.min_ort, time.perf_counter() - t0, None, P.warnings,
+                      accuracy_level)
+
+
+def _find_matches(P: _Patch) -> tuple[list[TableMatch], dict[int, str]]:
+    """Step 1: the Gathers and head MatMul/Gemm to replace, found by structure."""
+    cfg, G = P.cfg, P.G
+    embeddings, head = overlay_targets(cfg)
+    matches: list[TableMatch] = []
+    for m in embeddings:
+        shape = list(cfg["modules"][m]["shape"])
+        found = find_gathers(G, m, shape)
+        if not found:
+            already = any(n.op_type == "GatherBlockQuantized" for n in G.g.node)
+            raise OnnxError(
+                f"{P.src_path}: no Gather reads a float {shape} table (or a Transpose of one) for {m}"
+                + (" (the graph is already patched)" if already else
+                   f" (not a graph of the model in {P.ov_path}?)"))
+        matches.extend(found)
+    head_modules: dict[int, str] = {}
+    if head is not None:
+        hmod, owner = head
+        found = find_heads(G, owner, list(cfg["modules"][owner]["shape"]))
+        if not found:
+            P.warnings.append(f"{hmod}: no MatMul/Gemm with a float head table found; the head stays as it is")
+        head_modules = {id(f.node): hmod for f in found}
+        matches.extend(found)
+    return matches, head_modules
+
+
+def _check_sources(P: _Patch, matches: list[TableMatch]) -> list[TableMatch]:
+    """Step 2: each float initializer must be the overlay's source (checked once each)."""
+    from embedq.format.reader import load_overlay
+    P.ov = load_overlay(P.ov_path)
+    checks: dict[tuple[str, bool], SourceCheck | None] = {}
+    failed: dict[str, list[str]] = {}
+    for m in matches:
+        key = (m.init, m.transposed)
+        if key in checks:
+            continue
+        entry = P.cfg["modules"][m.module]
+        where = f"{P.src_path}: initializer {m.init!r} ({m.node.op_type} {m.node.name!r})"
+        if P.G.tensor(m.init).elem_type == tensor_proto().BFLOAT16:
+            raise OnnxError(f"{where} is bfloat16; ONNX Runtime's CPU kernels take float32 or "
+                            "float16 scales and outputs: export the model in float32 or float16")
+        try:
+            checks[key] = check_source(P.G.tensor(m.init), m.transposed, entry, P.ov.tables[m.module], where)
+        except OnnxError:
+            # Several candidates of the right shape (e.g. a second [V, H] table): keep
+            # those that are the source; refuse only if none of a role is.
+            if not any(x.role == m.role and x.init != m.init for x in matches):
+                raise
+            checks[key] = None
+            failed.setdefault(m.role, []).append(m.init)
+            continue
+        if checks[key].how == "sampled-rows":
+            P.warnings.append(f"{m.init}: {checks[key].detail}")
+    for role, inits in failed.items():
+        if not any(checks[(x.init, x.transposed)] for x in matches if x.role == role):
+            raise OnnxError(f"{P.src_path}: none of the float [V, H] tables {sorted(set(inits))} read by a "
+                            f"{'Gather' if role == 'embedding' else 'MatMul'} is the source of this "
+                            "overlay; refusing to patch with a wrong or stale overlay")
+        P.warnings.append(f"{', '.join(sorted(set(inits)))}: same shape but not the overlay's source; left as is")
+    kept = [x for x in matches if checks[(x.init, x.transposed)] is not None]
+    for m in kept:
+        m.check = checks[(m.init, m.transposed)].how
+    return kept
+
+
+def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, str]):
+    """Step 3: quantized initializers (one set per overlay table and graph dtype) and the
+    GatherBlockQuantized / MatMulNBits nodes that replace each match."""
+    import onnx
+    from onnx import helper
+
+    from embedq.format.config import scheme_of
+    G, cfg, ov = P.G, P.cfg, P.ov
+    new_tensors: dict[str, np.ndarray] = {}
+    made: dict[str, dict] = {}
+    reports: list[OnnxModuleReport] = []
+    used_names = set(G.inits) | {o for n in G.g.node for o in n.output} | {i.name for i in G.g.input}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in used_names:
+            name, k = f"{base}_{k}", k + 1
+        used_names.add(name)
+        return name
+
+    def quantized(module: str, gdt: torch.dtype) -> dict:
+        key = f"{module}/{gdt}"
+        if key in made:
+            return made[key]
+        t = ov.tables[module]
+        block = onnx_block_size(t.bits, t.group_size, t.cols)
+        nb = t.cols // block
+        if t.bits == 4 and nb % 2 and not t.symmetric:
+            P.min_ort = MIN_ORT_ODD_BLOCKS_4BIT
+        scales = ort_scales(t, block, gdt)
+        g = t.cols if t.group_size is None else t.group_size
+        if not torch.equal(torch.from_numpy(scales).float(), t.scale.float().repeat_interleave(g // block, 1)):
+            P.warnings.append(f"{module}: {cfg['modules'][module].get('scale_dtype')} scales are not "
+                              f"exactly representable in the graph's {gdt}; rounded")
+        base = module.replace("/", ".")
+        d = {"weight": fresh(f"{base}.qweight"), "scales": fresh(f"{base}.qscales"),
+             "zp": fresh(f"{base}.qzero_points"), "block": block, "nb": nb, "bits": t.bits,
+             "label": scheme_of(cfg["modules"][module]).label(), "reshape": None, "V": t.rows, "H": t.cols}
+        new_tensors[d["weight"]] = ort_weight_bytes(t)
+        new_tensors[d["scales"]] = scales
+        new_tensors[d["zp"]] = ort_zero_points(t, block)
+        d["bytes"] = sum(new_tensors[d[k]].nbytes for k in ("weight", "scales", "zp"))
+        made[key] = d
+        return d
+
+    new_nodes: dict[int, list] = {}
+    extra_inits = []
+    for m in matches:
+        q = quantized(m.module, torch_dtype_of(G.tensor(m.init).elem_type))
+        first_use = q.get("used") is None
+        q["used"] = True
+        nm = m.node.name or m.node.output[0]
+        if m.role == "embedding":
+            node = helper.make_node(
+                "GatherBlockQuantized", [q["weight"], m.node.input[1], q["scales"], q["zp"]],
+                list(m.node.output), name=fresh(f"{nm}_embedq"), domain=MS_DOMAIN,
+                bits=q["bits"], block_size=q["block"], gather_axis=0, quantize_axis=1)
+            new_nodes[id(m.node)] = [node]
+            op = "GatherBlockQuantized"
+        else:
+            # MatMulNBits wants [N, blocks, blob]; a tied table keeps one 2-D initializer
+            # that the Reshape views. (ORT constant-folds it, and at accuracy_level 4 also
+            # prepacks B: the run-time copies are measured in docs/onnx.md.)
+            pre = []
+            if q["reshape"] is None:
+                shape_name = fresh(f"{q['weight']}.shape3d")
+                extra_inits.append(onnx.numpy_helper.from_array(
+                    np.array([q["V"], q["nb"], q["block"] * q["bits"] // 8], np.int64), shape_name))
+                q["reshape"] = fresh(f"{q['weight']}.3d")
+                pre = [helper.make_node("Reshape", [q["weight"], shape_name], [q["reshape"]],
+                                        name=fresh(f"{q['weight']}_reshape3d"))]
+            mm = helper.make_node(
+                "MatMulNBits", [m.node.input[0], q["reshape"], q["scales"], q["zp"]],
+                list(m.node.output), name=fresh(f"{nm}_embedq"), domain=MS_DOMAIN,
+                K=q["H"], N=q["V"], bits=q["bits"], block_size=q["block"],
+                accuracy_level=P.accuracy_level)
+            new_nodes[id(m.node)] = pre + [mm]
+            op = "MatMulNBits"
+        module_name = head_modules.get(id(m.node), m.module) if m.role == "head" else m.module
+        reports.append(OnnxModuleReport(
+            module_name, m.module, op, m.node.name, m.init, q["label"], q["bits"], q["block"],
+            q["nb"], m.check, 0, q["bytes"] if first_use else 0))
+    return new_nodes, new_tensors, extra_inits, reports
+
+
+def _rewrite_graph(P: _Patch, matches: list[TableMatch], new_nodes: dict[int, list],
+                   reports: list[OnnxModuleReport]) -> None:
+    """Step 4: splice the new nodes in place (keeps topological order), then drop the
+    Identity/Transpose nodes and float initializers nothing reads any more."""
+    from onnx import helper
+    G = P.G
+    nodes = []
+    for n in G.g.node:
+        nodes.extend(new_nodes.get(id(n), [n]))
+    outputs = G.graph_outputs()
+    via = {id(v) for m in matches for v in m.via}
+
+    def reads(node_list) -> set[str]:
+        r = {x for n in node_list for x in n.input}
+        for n in node_list:
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    r |= {x for g in iter_graphs(sub) for nn in g.node for x in nn.input}
+        return r
+
+    removed_values: set[str] = set()
+    while True:  # a chain Identity -> Transpose dies from its end
+        read = reads(nodes)
+        dead = [n for n in nodes if id(n) in via and n.output[0] not in read and n.output[0] not in outputs]
+        if not dead:
+            break
+        removed_values |= {n.output[0] for n in dead}
+        dead_ids = {id(n) for n in dead}
+        nodes = [n for n in nodes if id(n) not in dead_ids]
+    del G.g.node[:]
+    G.g.node.extend(nodes)
+
+    float_bytes: dict[str, int] = {}
+    keep = []
+    for i in G.g.initializer:
+        if i.name in {m.init for m in matches}:
+            still = G.consumers(i.name)
+            if not still and i.name not in outputs:
+                float_bytes[i.name] = G.tensor(i.name).nbytes()
+                removed_values.add(i.name)
+                continue
+            P.warnings.append(f"{i.name}: still read by {still[0].op_type} {still[0].name!r}; "
+                              "the float table stays in the graph too")
+        keep.append(i)
+    for r in reports:
+        r.float_bytes = float_bytes.pop(r.replaced, 0)
+    del G.g.initializer[:]
+    G.g.initializer.extend(keep)
+    for field_ in (G.g.value_info, G.g.input):
+        kept = [v for v in field_ if v.name not in removed_values]
+        del field_[:]
+        field_.extend(kept)
+    if not any(o.domain == MS_DOMAIN for o in P.mp.opset_import):
+        P.mp.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
+    """Step 5: record what this graph is in ``metadata_props`` (``embedq.*``)."""
+    import onnx
+
+    from embedq.version import __version__
+    from embedq.format.config import scheme_of
+    cfg, mp = P.cfg, P.mp
+    tables = sorted({r.table for r in reports})
+    meta = {
+        "version": __version__,
+        "overlay_format_version": str(cfg.get("format_version")),
+        "min_onnxruntime": P.min_ort,
+        "accuracy_level": str(P.accuracy_level),
+        "modules": json.dumps({r.module: {
+            "op": r.op, "table": r.table, "scheme": r.scheme, "bits": r.bits,
+            "block_size": r.block_size, "replaced": r.replaced, "source_check": r.source_check,
+            "source_sha256": (cfg["modules"][r.table].get("source") or {}).get("sha256"),
+            **({"accuracy_level": P.accuracy_level} if r.op == "MatMulNBits" else {}),
+        } for r in reports}, sort_keys=True),
+        "source_sha256": json.dumps({m: (cfg["modules"][m].get("source") or {}).get("sha256")
+                                     for m in tables}, sort_keys=True),
+        "scheme": json.dumps({m: scheme_of(cfg["modules"][m]).label() for m in tables}, sort_keys=True),
+    }
+    props = [p for p in mp.metadata_props if not p.key.startswith(META_PREFIX)]
+    del mp.metadata_props[:]
+    mp.metadata_props.extend(props)
+    for k, v in meta.items():
+        mp.metadata_props.append(onnx.StringStringEntryProto(key=META_PREFIX + k, value=v))
+
+
+# ------------------------------------------------------------ onnxruntime-genai folders
+
+def _genai_provider(gcfg: dict) -> str:
+    """The execution provider a genai_config.json asks for (cpu when it names none)."""
+    opts = ((gcfg.get("model") or {}).get("decoder") or {}).get("session_options", {}).get("provider_options") or []
+    for o in opts:
+        for k in (o or {}):
+            return k.lower()
+    return "cpu"
+
+
+def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: bool | None,
+                        force: bool, accuracy_level: int | None,
+                        execution_provider: str | None) -> OnnxReport:
+    """Patch the decoder of an onnxruntime-genai folder into ``out``, a complete folder."""
+    import shutil
+    try:
+        gcfg = json.loads((src / GENAI_CONFIG).read_text())
+        fname = gcfg["model"]["decoder"]["filename"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise OnnxError(f"{src / GENAI_CONFIG}: no model.decoder.filename ({e})") from None
+    model = (src / fname)
+    if Path(fname).is_absolute() or ".." in Path(fname).parts or not model.is_file():
+        raise OnnxError(f"{src / GENAI_CONFIG}: decoder {fname!r} is not a model file in {src}")
+    in_place = out.exists() and out.resolve() == src.resolve()
+    if in_place and not force:
+        raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")
+    if out.exists() and not in_place:
+        if not out.is_dir():
+            raise OnnxError(f"{out}: not a folder (a genai folder is written as a folder)")
+        if any(out.iterdir()) and not force:
+            raise OnnxError(f"{out}: already exists and is not empty (pass --force to replace it)")
+    ep = execution_provider or _genai_provider(gcfg)
+    # The model's own external data files are rewritten by the patch; everything else
+    # (genai_config.json, tokenizer, chat template, processor configs) is copied as is.
+    mp = load_onnx_model(model)
+    check_external_data(mp, src, model)
+    own = {model.resolve()} | {_external_file(t, src, model)[0] for t in iter_tensors(mp)
+                               if t.data_location == tensor_proto().EXTERNAL}
+    del mp
+    out.mkdir(parents=True, exist_ok=True)
+    report = _patch_file(model, ov_path, out / fname, external_data=external_data, force=force,
+                         accuracy_level=accuracy_level, execution_provider=ep)
+    if not in_place:
+        for p in sorted(src.iterdir()):
+            if p.resolve() in own or p.name.startswith("."):
+                continue
+            dst = out / p.name
+            if p.is_dir():
+                shutil.copytree(p, dst, dirs_exist_ok=True)
+            else:
+                shutil.copy2(p, dst)
+    report.model = str(src)
+    report.output = str(out)
+    return report

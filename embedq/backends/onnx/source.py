@@ -1,0 +1,98 @@
+"""Is a float initializer the overlay's source table? (sha256, dequantized, sampled rows)"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from embedq.backends.onnx.common import CHUNK_BYTES, SAMPLE_ROWS, OnnxError, TensorRef, torch_dtype_of
+
+
+# ------------------------------------------------------------------- source checks
+
+@dataclass
+class SourceCheck:
+    how: str  # sha256 | dequantized | sampled-rows
+    detail: str = ""
+
+
+def _lossless(graph_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
+    """Can ``graph_dtype`` represent every value of ``src_dtype``?"""
+    return graph_dtype == src_dtype or graph_dtype == torch.float32
+
+
+def _chunk_rows(cols: int) -> int:
+    return max(64, CHUNK_BYTES // max(1, cols * 4))
+
+
+def check_source(t: TensorRef, transposed: bool, entry: dict, table, where: str) -> SourceCheck:
+    """Is the float initializer ``t`` the overlay's source table? Raise OnnxError if not.
+
+    1. sha256 of the rows cast to the source dtype equals the recorded source sha256
+       (only possible where the graph dtype holds the source values exactly);
+    2. or every row equals the dequantized overlay table (a graph built from it);
+    3. or, where the graph dtype cannot hold the source exactly (float16 graph of a
+       bfloat16 source), sampled rows lie within half a quantization step (plus the
+       graph dtype's rounding) of the dequantized rows.
+    """
+    from embedq.format.dtypes import dtype_from_name
+    src = entry.get("source") or {}
+    rows, cols = entry["shape"]
+    gdt = torch_dtype_of(t.elem_type)
+    sdt = dtype_from_name(src.get("dtype", "bfloat16"))
+    lossless = _lossless(gdt, sdt)
+    cr = _chunk_rows(cols)
+    if src.get("sha256"):
+        h = hashlib.sha256()
+        for a in range(0, rows, cr):
+            h.update(t.rows(a, min(rows, a + cr), transposed).to(sdt).contiguous().view(torch.uint8).numpy())
+        if h.hexdigest() == src["sha256"]:
+            return SourceCheck("sha256")
+    # A graph exported from the dequantized table (a derived checkpoint has no float source).
+    sample = _sample_rows(rows)
+    x = torch.cat([t.rows(int(r), int(r) + 1, transposed) for r in sample])
+    deq = table.dequantize(torch.float32, sample).to(gdt)
+    if torch.equal(x, deq):
+        for a in range(0, rows, cr):
+            b = min(rows, a + cr)
+            if not torch.equal(t.rows(a, b, transposed), table.dequantize(torch.float32, slice(a, b)).to(gdt)):
+                break
+        else:
+            return SourceCheck("dequantized")
+    if not lossless:
+        ok, frac = _within_quantization_error(x, table, sample, gdt)
+        if ok:
+            return SourceCheck("sampled-rows", f"{len(sample)} rows, {frac:.4%} of values within "
+                               "half a quantization step (graph dtype cannot hold the source exactly)")
+    raise OnnxError(
+        f"{where} is not the source of this overlay's {src.get('tensor', 'table')} "
+        f"(sha256 of its {rows}x{cols} values differs from quantization_config.json"
+        f"{'' if lossless else ', and sampled rows are not within quantization error'}); "
+        "refusing to patch with a wrong or stale overlay")
+
+
+def _sample_rows(rows: int) -> torch.Tensor:
+    n = min(rows, SAMPLE_ROWS)
+    return torch.unique(torch.linspace(0, rows - 1, n).round().long())
+
+
+def _within_quantization_error(x: torch.Tensor, table, sample: torch.Tensor,
+                               gdt: torch.dtype) -> tuple[bool, float]:
+    q = table.codes(sample).float()
+    g = table.cols if table.group_size is None else table.group_size
+    s = table.scale[sample].float().repeat_interleave(g, dim=1)
+    deq = table.dequantize(torch.float32, sample)
+    xf = x.float()
+    eps = torch.finfo(gdt).eps
+    tol = 0.5 * s * (1 + 1e-3) + eps * xf.abs() + torch.finfo(gdt).tiny
+    d = xf - deq
+    lo, hi = -(1 << (table.bits - 1)), (1 << (table.bits - 1)) - 1
+    ok = d.abs() <= tol
+    ok |= (q == hi) & (d >= -tol)  # a clipped maximum may lie further out
+    ok |= (q == lo) & (d <= tol)
+    frac = float(ok.float().mean())
+    return frac >= 0.999 and bool(torch.isfinite(xf).all()), frac
+
+
