@@ -615,14 +615,13 @@ def _label(entry: dict) -> str:
 
 
 def _overlay_config(ck) -> dict | None:
+    """The checkpoint's overlay config, validated by the one reader (None: no overlay)."""
     from embedq.format.checkpoint import QCONFIG_NAME
-    if (ck.path / QCONFIG_NAME).exists():
-        try:
-            return json.loads((ck.path / QCONFIG_NAME).read_text())
-        except ValueError:
-            raise PlanError(f"{ck.path / QCONFIG_NAME}: not valid JSON") from None
+    from embedq.format.reader import read_overlay_config
     qc = ck.config.get("quantization_config")
-    return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
+    if (ck.path / QCONFIG_NAME).exists() or (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+        return read_overlay_config(ck.path)
+    return None
 
 
 # ---------------------------------------------------------------------------------------
