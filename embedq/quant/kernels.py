@@ -38,6 +38,8 @@ from embedq.format.codec import pack_int32
 from embedq.format.codec import dequantize_codes
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
+from embedq.quant import native
+from embedq.quant.native import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +169,6 @@ def _have_compiler() -> bool:
                 or shutil.which("c++"))
 
 
-def kernel_cache_dir() -> Path:
-    """Where ahead-of-time compiled kernels are kept (``EMBEDQ_KERNEL_CACHE``)."""
-    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    root = os.environ.get("EMBEDQ_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
-
-
 def _source_fingerprint() -> str:
     try:
         src = inspect.getsource(fused_rtn) + inspect.getsource(_round_scale_up)
@@ -283,7 +276,6 @@ def kernel_mode() -> str:
 def native_ready(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`quantize_pack` (``compiled=None``) runs the native C kernel for
     ``dtype`` tables (building it on first use: well under a second)."""
-    from embedq.quant import native
     return kernel_mode() == "native" and native.supports_dtype(dtype) and native.library() is not None
 
 
@@ -383,7 +375,6 @@ def quantize_pack(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, sta
         raise ValueError("fused kernels implement RTN only")
     use = compile_enabled() if compiled is None else compiled
     if compiled is None and use and native_ready(x.dtype):
-        from embedq.quant import native
         packed, s, zp, st = native.quantize_pack(x, scheme.bits, scheme.effective_group(x.shape[1]),
                                                  scheme.symmetric, scale_dtype, stats)
         return packed.view(torch.int32), s, zp, st

@@ -210,8 +210,16 @@ def _cpu_ident() -> str:
     return platform.machine() + platform.processor()
 
 
+def kernel_cache_dir() -> Path:
+    """Where built kernels are kept (``EMBEDQ_KERNEL_CACHE``; default ``~/.cache/embedq/kernels``)."""
+    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("EMBEDQ_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
+
+
 def library_path(cc: str) -> Path:
-    from embedq.quant.kernels import kernel_cache_dir
     ident = repr((C_SOURCE, FLAGS, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
                   _cpu_ident(), sys.platform))
     return kernel_cache_dir() / f"native-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.so"
@@ -294,4 +302,4 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, symmetric: bool,
 _SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-__all__ = ["library", "supports_dtype", "quantize_pack", "unavailable_reason", "C_SOURCE"]
+__all__ = ["kernel_cache_dir", "library", "supports_dtype", "quantize_pack", "unavailable_reason", "C_SOURCE"]

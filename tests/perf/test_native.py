@@ -56,3 +56,14 @@ def test_non_finite_values_reach_the_statistics():
     x[9, 3] = float("inf")
     packed, s, _, st = native.quantize_pack(x, 4, 32, False, F32, True)
     assert not all(math.isfinite(v) for v in st)
+
+
+def test_native_unavailable_falls_back(monkeypatch):
+    monkeypatch.delenv("EMBEDQ_KERNEL", raising=False)
+    monkeypatch.setattr(native, "_lib", False)  # as when no C compiler is found
+    assert not kernels.native_ready(BF)
+    x = table(64, 128, BF)
+    scheme = Scheme.default(8)
+    assert_same(kernels.quantize_pack(x, scheme, BF, compiled=False),
+                kernels.reference(x, scheme, BF))
+    assert kernels.kernel_backend(BF) != "native"
