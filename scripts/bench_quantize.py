@@ -469,14 +469,18 @@ def main() -> None:
                 bits = int(flags[1])
                 group = int(flags[3]) if "--group-size" in flags else None
                 ob = overlay_bytes(spec["vocab"], spec["hidden"], bits, group, 2)
-                warm(tables)
-                copy_nf = min(copy_baseline(tables, ob, ckpt, False) for _ in range(args.copy_repeat))
-                copy_fs = min(copy_baseline(tables, ob, ckpt, True) for _ in range(args.copy_repeat))
-                cache = tmp_caches / label.replace(" ", "_")  # empty: the first run compiles
+                cache = tmp_caches / label.replace(" ", "_")  # empty: the first run builds its kernel
                 for i in range(1 + args.repeat):
+                    # Baseline and candidate interleaved: the copy is re-measured right before
+                    # each run, so both see the same machine load.
                     warm(tables)
-                    log(f"embedq {label} run {i + 1} ({'cold' if i == 0 else 'warm'} compile cache)")
+                    copy_nf = min(copy_baseline(tables, ob, ckpt, False) for _ in range(args.copy_repeat))
+                    copy_fs = min(copy_baseline(tables, ob, ckpt, True) for _ in range(args.copy_repeat))
+                    warm(tables)
+                    log(f"embedq {label} run {i + 1} ({'cold' if i == 0 else 'warm'} kernel cache)")
+                    load0 = os.getloadavg()[0]
                     r = run_embedq(ckpt, flags, True, cache)
+                    r["load_avg"] = (load0, os.getloadavg()[0])
                     embedq_remove(ckpt)
                     r.update(scheme=label, run=i + 1, compile_cache="cold" if i == 0 else "warm",
                              copy_s=copy_nf, copy_fsync_s=copy_fs, out_bytes_expected=ob,
@@ -484,11 +488,12 @@ def main() -> None:
                              x_copy=r["wall_s"] / copy_nf, x_copy_fsync=r["wall_s"] / copy_fs)
                     runs.append(r)
             result["synthetic"] = runs
-            head = ["scheme", "compile cache", "wall s", "CPU s", "peak RSS MiB", "GB/s",
-                    "copy s", "copy+fsync s", "x copy", "x copy+fsync"]
+            head = ["scheme", "kernel cache", "wall s", "CPU s", "peak RSS MiB", "GB/s",
+                    "copy s", "copy+fsync s", "x copy", "x copy+fsync", "load avg"]
             rows = [[r["scheme"], r["compile_cache"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
                      f"{r['peak_rss_mib']:.0f}", f"{r['gb_per_s']:.2f}", f"{r['copy_s']:.2f}",
-                     f"{r['copy_fsync_s']:.2f}", f"{r['x_copy']:.2f}", f"{r['x_copy_fsync']:.2f}"]
+                     f"{r['copy_fsync_s']:.2f}", f"{r['x_copy']:.2f}", f"{r['x_copy_fsync']:.2f}",
+                     "%.1f-%.1f" % tuple(r["load_avg"])]
                     for r in runs]
             out_lines += [f"embedq quantize --lm-head on {spec['name']} "
                           f"({spec['vocab']:,} x {spec['hidden']:,} bf16 x 2 tables = {src_bytes / 1e9:.2f} GB)",

@@ -24,7 +24,7 @@ from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
-from embedq.quant.kernels import has_cached_kernel
+from embedq.quant.kernels import has_cached_kernel, native_ready
 from embedq.quant.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline, default_chunk_rows,
                                  quantize_pack_chunk)
 
@@ -109,9 +109,11 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     entries: dict[str, dict] = {}
     reports: list[ModuleReport] = []
     total = sum(p.shape[0] * p.shape[1] * p.dtype.itemsize for p in plans)
-    # Build a compiled kernel only when the job is big enough to repay it; one already
-    # built (cached on disk) is always used.
-    compiled = None if total >= compile_min_bytes() else False
+    # The native kernel (built in under a second) is always worth it. Otherwise build an
+    # inductor kernel only when the job is big enough to repay it; one already built
+    # (cached on disk) is always used.
+    fast = all(native_ready(p.dtype) for p in plans if p.scheme.method == "rtn")
+    compiled = None if fast or total >= compile_min_bytes() else False
     try:
         for p in plans:
             rows, cols = p.shape

@@ -38,6 +38,8 @@ from embedq.format.codec import pack_int32
 from embedq.format.codec import dequantize_codes
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
+from embedq.quant import native
+from embedq.quant.native import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +169,6 @@ def _have_compiler() -> bool:
                 or shutil.which("c++"))
 
 
-def kernel_cache_dir() -> Path:
-    """Where ahead-of-time compiled kernels are kept (``EMBEDQ_KERNEL_CACHE``)."""
-    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    root = os.environ.get("EMBEDQ_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
-
-
 def _source_fingerprint() -> str:
     try:
         src = inspect.getsource(fused_rtn) + inspect.getsource(_round_scale_up)
@@ -264,18 +257,26 @@ def _kernel_key(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
 def has_cached_kernel(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
                       scale_dtype: torch.dtype, stats: bool = True) -> bool:
     """Whether a compiled kernel for these chunks is already on disk (free to use)."""
-    if scheme.method != "rtn" or kernel_mode() != "aoti" or not hasattr(torch._C, "_aoti"):
+    if scheme.method != "rtn" or kernel_mode() not in ("aoti", "native") or not hasattr(torch._C, "_aoti"):
         return False
     key = _kernel_key(rows, cols, dtype, scheme, scale_dtype, stats)
     return AotiKernels.package_path(key).is_file()
 
 
 def kernel_mode() -> str:
-    """``aoti`` (default: ahead-of-time, cached on disk), ``jit`` (torch.compile) or ``eager``."""
+    """``native`` (default: the small C kernel of :mod:`embedq.quant.native`, built in
+    under a second; where it cannot run, as ``aoti``), ``aoti`` (inductor, ahead of time,
+    cached on disk), ``jit`` (torch.compile) or ``eager``."""
     if os.environ.get("EMBEDQ_COMPILE", "1").strip().lower() in ("0", "false", "no", "off"):
         return "eager"
-    mode = os.environ.get("EMBEDQ_KERNEL", "aoti").strip().lower()
-    return mode if mode in ("aoti", "jit", "eager") else "aoti"
+    mode = os.environ.get("EMBEDQ_KERNEL", "native").strip().lower()
+    return mode if mode in ("native", "aoti", "jit", "eager") else "native"
+
+
+def native_ready(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`quantize_pack` (``compiled=None``) runs the native C kernel for
+    ``dtype`` tables (building it on first use: well under a second)."""
+    return kernel_mode() == "native" and native.supports_dtype(dtype) and native.library() is not None
 
 
 def _get_compiled():
@@ -290,7 +291,7 @@ def _get_compiled():
             _compiled = False
             return _compiled
         try:
-            if kernel_mode() == "aoti" and hasattr(torch._C, "_aoti"):
+            if kernel_mode() in ("aoti", "native") and hasattr(torch._C, "_aoti"):
                 _compiled = AotiKernels()
                 return _compiled
             import importlib
@@ -308,10 +309,12 @@ def _get_compiled():
         return _compiled
 
 
-def kernel_backend() -> str:
-    """``compiled`` or ``eager``: what :func:`quantize_pack` would use now."""
+def kernel_backend(dtype: torch.dtype = torch.bfloat16) -> str:
+    """``native``, ``compiled`` or ``eager``: what :func:`quantize_pack` would use now."""
     if not compile_enabled():
         return "eager"
+    if native_ready(dtype):
+        return "native"
     return "compiled" if _get_compiled() else "eager"
 
 
@@ -371,6 +374,10 @@ def quantize_pack(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype, sta
     if scheme.method != "rtn":
         raise ValueError("fused kernels implement RTN only")
     use = compile_enabled() if compiled is None else compiled
+    if compiled is None and use and native_ready(x.dtype):
+        packed, s, zp, st = native.quantize_pack(x, scheme.bits, scheme.effective_group(x.shape[1]),
+                                                 scheme.symmetric, scale_dtype, stats)
+        return packed.view(torch.int32), s, zp, st
     fn = _get_compiled() if use else None
     if not fn:
         if compiled:

@@ -1,0 +1,305 @@
+"""A small C kernel for RTN quantize + pack (+ error statistics), built in well under a second.
+
+The heavy, element-wise part of RTN (``u = clamp(round(x / s) + zp) + 2^(b-1)``, packed,
+plus the error statistics) is one loop in C, compiled on first use with the system C
+compiler (``cc -O3 -march=native -ffp-contract=off``; ~0.3 s, no torch headers, no
+inductor) into :func:`embedq.quant.kernels.kernel_cache_dir` and loaded with
+:mod:`ctypes` (which releases the GIL during the call). Scales and zero points are
+computed by torch, by the same code as the reference (they are small: one per group).
+
+Bit-identity with :func:`embedq.quant.rtn.quantize_rtn` holds because every float
+operation is the reference's own IEEE operation in the same order: float32 ``x / s``
+(a correctly rounded division, never a reciprocal), ``rintf`` (round half to even, as
+``torch.round``), float adds of small integers (exact), and no FMA contraction. Group
+maxima are exact whatever the order. Only the float statistics' sums may differ in
+their last bits (summation order), as with the inductor kernel.
+
+Sources: bf16 and float32 tables (bf16 -> float32 is a shift). float16 tables take the
+eager path. Nothing here is needed for correctness: without a C compiler, or with
+``EMBEDQ_KERNEL=eager|aoti|jit``, the other kernels run and write the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define BLK 64 /* elements converted to float at a time */
+
+static inline float bf16f(uint16_t h) { uint32_t w = (uint32_t)h << 16; float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t fbits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+static inline float bitsf(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+/* Monotone map float bits -> signed int (NaN with sign 0 above +inf, with sign 1 below -inf). */
+static inline int32_t okey(uint32_t w) { return (int32_t)w >= 0 ? (int32_t)w : (int32_t)(w ^ 0x7fffffffu); }
+static inline uint32_t unkey(int32_t k) { return k >= 0 ? (uint32_t)k : ((uint32_t)k ^ 0x7fffffffu); }
+
+/* Per group: max |x| (sym: a) or min (a) and max (b) (asym). Integer compares on the
+   float bits: exact, vectorized, and NaN propagates like torch.amax/amin. */
+void range_bits(const uint32_t* w, int64_t ngroups, int64_t g, int asym, float* a, float* b) {
+    for (int64_t k = 0; k < ngroups; k++) {
+        const uint32_t* p = w + k * g;
+        if (!asym) {
+            uint32_t m = 0;
+            for (int64_t i = 0; i < g; i++) { uint32_t v = p[i] & 0x7fffffffu; m = v > m ? v : m; }
+            a[k] = m > 0x7f800000u ? NAN : bitsf(m);
+        } else {
+            int32_t lo = INT32_MAX, hi = INT32_MIN;
+            for (int64_t i = 0; i < g; i++) { int32_t v = okey(p[i]); lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+            float fl = bitsf(unkey(lo)), fh = bitsf(unkey(hi));
+            int nan = fl != fl || fh != fh;
+            a[k] = nan ? NAN : fl; b[k] = nan ? NAN : fh;
+        }
+    }
+}
+void range_bf16(const uint16_t* x, int64_t ngroups, int64_t g, int asym, float* a, float* b) {
+    for (int64_t k = 0; k < ngroups; k++) {
+        const uint16_t* p = x + k * g;
+        if (!asym) {
+            uint16_t m = 0;
+            for (int64_t i = 0; i < g; i++) { uint16_t v = p[i] & 0x7fffu; m = v > m ? v : m; }
+            a[k] = m > 0x7f80u ? NAN : bf16f(m);
+        } else {
+            int32_t lo = INT32_MAX, hi = INT32_MIN;
+            for (int64_t i = 0; i < g; i++) { int32_t v = okey((uint32_t)p[i] << 16); lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+            float fl = bitsf(unkey(lo)), fh = bitsf(unkey(hi));
+            int nan = fl != fl || fh != fh;
+            a[k] = nan ? NAN : fl; b[k] = nan ? NAN : fh;
+        }
+    }
+}
+void range_f32(const float* x, int64_t ngroups, int64_t g, int asym, float* a, float* b) {
+    range_bits((const uint32_t*)x, ngroups, g, asym, a, b);
+}
+
+/* n (<= BLK) floats v of one group -> codes u, then the statistics. Only the statistics'
+   loop reassociates (omp simd reduction): the codes' arithmetic is the reference's. */
+static inline void qblock(const float* restrict v, int64_t n, float sc, float z, float qmin, float qmax,
+                          float off, uint8_t* restrict u, int stats, uint32_t* restrict mx,
+                          float* restrict se, float* restrict sr) {
+    float q[BLK];
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float t = rintf(v[i] / sc) + z;
+        t = t < qmin ? qmin : t;
+        t = t > qmax ? qmax : t;
+        q[i] = t;
+        u[i] = (uint8_t)(int32_t)(t + off);
+    }
+    if (stats) {
+        uint32_t m = *mx; float a = 0.0f, b = 0.0f;
+        #pragma omp simd reduction(max:m) reduction(+:a,b)
+        for (int64_t i = 0; i < n; i++) {
+            float d = (q[i] - z) * sc - v[i];
+            uint32_t ad = fbits(d) & 0x7fffffffu;
+            m = ad > m ? ad : m;
+            a += d * d;
+            b += v[i] * v[i];
+        }
+        *mx = m; *se += a; *sr += b;
+    }
+}
+
+/* A float32 scale rounded to the storage dtype, never down (rtn.round_scale_up):
+   kind 0 float32, 1 bfloat16 (round to nearest even, as torch), 2 float16. */
+static inline float scale_up(float scale, int kind, void* out, int64_t k) {
+    if (kind == 0) { ((float*)out)[k] = scale; return scale; }
+    uint16_t h; float f;
+    if (kind == 1) {
+        uint32_t w = fbits(scale);
+        h = scale != scale ? 0x7fc0 : (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+        f = bf16f(h);
+        if (f < scale) { h = (uint16_t)(h + 1); f = bf16f(h); }
+    } else {
+        _Float16 x = (_Float16)scale; memcpy(&h, &x, 2); f = (float)x;
+        if (f < scale) { h = (uint16_t)(h + 1); memcpy(&x, &h, 2); f = (float)x; }
+    }
+    ((uint16_t*)out)[k] = h;
+    return f;
+}
+
+/* One chunk of ngroups groups of g elements: range, scale (+ zero point), codes, packing,
+   statistics -- each group read from memory once and then from L1/L2.
+   s_out: the scales in the storage dtype; zp_out (asym): int8 zero points.
+   out: bits 8 -> one byte per element; bits 4 -> element 2j in the low nibble, 2j+1 high.
+   st (when not NULL): max|xhat-x|, sum (xhat-x)^2, sum x^2 (float per group, double total). */
+#define QUANT(NAME, RANGE, T, CVT)                                                           \
+void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind,             \
+          void* s_out, int8_t* zp_out, uint8_t* out, double* st) {                           \
+    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -qmax - 1.0f, off = qmax + 1.0f; \
+    const int stats = st != 0;                                                               \
+    uint32_t mx = 0; double se = 0.0, sr = 0.0;                                              \
+    float v[BLK]; uint8_t u[BLK];                                                            \
+    for (int64_t k = 0; k < ngroups; k++) {                                                  \
+        const T* p = x + k * g;                                                              \
+        float a, b, sc, z = 0.0f;                                                            \
+        RANGE(p, 1, g, asym, &a, &b);                                                        \
+        if (!asym) {                                                                         \
+            float scale = a / qmax;                                                          \
+            sc = scale_up(a > 0 ? scale : 1.0f, kind, s_out, k);                             \
+        } else {                                                                             \
+            float lo = a > 0 ? 0.0f : a, hi = b < 0 ? 0.0f : b; /* clamp; NaN stays NaN */    \
+            float span = hi - lo;                                                            \
+            float scale = span / (float)((1 << bits) - 1);                                   \
+            sc = scale_up(span > 0 ? scale : 1.0f, kind, s_out, k);                          \
+            z = rintf(qmin - lo / sc);                                                       \
+            z = z < qmin ? qmin : (z > qmax ? qmax : z);                                     \
+            zp_out[k] = (int8_t)(int32_t)z;                                                  \
+        }                                                                                    \
+        float gse = 0.0f, gsr = 0.0f;                                                        \
+        for (int64_t i0 = 0; i0 < g; i0 += BLK) {                                            \
+            int64_t n = g - i0 < BLK ? g - i0 : BLK;                                         \
+            for (int64_t i = 0; i < n; i++) v[i] = CVT(p[i0 + i]);                           \
+            if (bits == 8) {                                                                 \
+                qblock(v, n, sc, z, qmin, qmax, off, out + k * g + i0, stats, &mx, &gse, &gsr); \
+            } else {                                                                         \
+                qblock(v, n, sc, z, qmin, qmax, off, u, stats, &mx, &gse, &gsr);             \
+                uint8_t* o = out + (k * g + i0) / 2;                                         \
+                for (int64_t i = 0; i < n / 2; i++) o[i] = (uint8_t)(u[2 * i] | (u[2 * i + 1] << 4)); \
+            }                                                                                \
+        }                                                                                    \
+        if (stats) { se += gse; sr += gsr; }                                                 \
+    }                                                                                        \
+    if (stats) { st[0] = mx > 0x7f800000u ? NAN : bitsf(mx); st[1] = se; st[2] = sr; }       \
+}
+static inline float f32f(float f) { return f; }
+QUANT(quant_bf16, range_bf16, uint16_t, bf16f)
+QUANT(quant_f32, range_f32, float, f32f)
+"""
+
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno",
+         "-fopenmp-simd",
+         "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib = None  # ctypes library, or False when unavailable
+_reason: str | None = None
+
+
+def _compiler() -> str | None:
+    for c in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if c and shutil.which(c):
+            return shutil.which(c)
+    return None
+
+
+def _cpu_ident() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.machine() + platform.processor()
+
+
+def kernel_cache_dir() -> Path:
+    """Where built kernels are kept (``EMBEDQ_KERNEL_CACHE``; default ``~/.cache/embedq/kernels``)."""
+    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("EMBEDQ_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
+
+
+def library_path(cc: str) -> Path:
+    ident = repr((C_SOURCE, FLAGS, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
+                  _cpu_ident(), sys.platform))
+    return kernel_cache_dir() / f"native-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.so"
+
+
+def _build(cc: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+    src = tmp.with_suffix(".c")
+    try:
+        src.write_text(C_SOURCE)
+        r = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
+        os.replace(tmp, path)  # atomic: concurrent builders are harmless
+    finally:
+        src.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+
+
+def library():
+    """The loaded kernel library, or None (see :func:`unavailable_reason`)."""
+    global _lib, _reason
+    if _lib is not None:
+        return _lib or None
+    with _lock:
+        if _lib is not None:
+            return _lib or None
+        try:
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found")
+            path = library_path(cc)
+            if not path.is_file():
+                log.info("embedq: building the native kernel (once; cached in %s)", path.parent)
+                _build(cc, path)
+            lib = ctypes.CDLL(str(path))
+            P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            for n in ("quant_bf16", "quant_f32"):
+                getattr(lib, n).argtypes = [P, I, I, F, F, F, P, P, P, P]
+                getattr(lib, n).restype = None
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 - any failure means: use another kernel
+            _reason = f"native kernel unavailable: {type(e).__name__}: {e}"
+            _lib = False
+        return _lib or None
+
+
+def unavailable_reason() -> str | None:
+    return _reason
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Source dtypes the C kernel reads (float16 tables take the other kernels)."""
+    return dtype in (torch.bfloat16, torch.float32)
+
+
+def quantize_pack(x: torch.Tensor, bits: int, group: int, symmetric: bool,
+                  scale_dtype: torch.dtype, stats: bool):
+    """``(packed_uint8 [rows, cols*bits/8], scale, zp_int8 | None, stats | None)`` of one chunk.
+
+    Same bytes as ``quantize_rtn`` + ``pack_int32``; ``stats`` is ``(max_abs, sq_err,
+    sq_ref)`` as floats. The caller checks :func:`library` and :func:`supports_dtype` first.
+    """
+    lib = library()
+    rows, cols = x.shape
+    x = x.contiguous()
+    groups = cols // group
+    s = torch.empty(rows, groups, dtype=scale_dtype)
+    zp = None if symmetric else torch.empty(rows, groups, dtype=torch.int8)
+    out = torch.empty(rows, cols * bits // 8, dtype=torch.uint8)
+    st = (ctypes.c_double * 3)() if stats else None
+    fn = lib.quant_bf16 if x.dtype == torch.bfloat16 else lib.quant_f32
+    fn(x.data_ptr(), rows * groups, group, bits, 0 if symmetric else 1, _SCALE_KIND[scale_dtype],
+       s.data_ptr(), None if zp is None else zp.data_ptr(), out.data_ptr(), st)
+    return out, s, zp, (tuple(st) if stats else None)
+
+
+_SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+__all__ = ["kernel_cache_dir", "library", "supports_dtype", "quantize_pack", "unavailable_reason", "C_SOURCE"]

@@ -1,0 +1,69 @@
+"""The native C kernel writes the eager reference's bytes exactly, for every scheme."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from embedq.format.scheme import Scheme
+from embedq.quant import kernels, native
+from tests.perf.test_kernels import BF, F16, F32, SCHEMES, assert_same, table
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason=f"no native kernel: {native.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("bits,group,sym", SCHEMES)
+@pytest.mark.parametrize("src", [BF, F32])
+@pytest.mark.parametrize("shape", [(256, 256), (64, 640), (128, 136)])
+def test_native_matches_reference(bits, group, sym, src, shape):
+    rows, cols = shape
+    if group and cols % group:
+        pytest.skip("group does not divide cols")
+    x = table(rows, cols, src, seed=cols)
+    for sd in (BF, F16, F32):
+        scheme = Scheme.default(bits, sym, group if group else 0)
+        packed, s, zp, st = native.quantize_pack(x, bits, scheme.effective_group(cols), sym, sd, True)
+        ref = kernels.reference(x, scheme, sd, True)
+        assert_same((packed.view(torch.int32), s, zp, None), ref)
+        assert st[0] == ref[3][0]  # same float ops: the same max |x̂ - x|
+        assert st[1] == pytest.approx(ref[3][1], rel=1e-5)
+        assert st[2] == pytest.approx(ref[3][2], rel=1e-5)
+
+
+def test_quantize_pack_uses_native_by_default(monkeypatch):
+    monkeypatch.delenv("EMBEDQ_KERNEL", raising=False)
+    monkeypatch.delenv("EMBEDQ_COMPILE", raising=False)
+    assert kernels.kernel_backend(BF) == "native"
+    assert kernels.kernel_backend(F16) != "native"
+    x = table(192, 512, BF)
+    for bits, group, sym in SCHEMES:
+        scheme = Scheme.default(bits, sym, group if group else 0)
+        assert_same(kernels.quantize_pack(x, scheme, BF), kernels.reference(x, scheme, BF))
+    monkeypatch.setenv("EMBEDQ_COMPILE", "0")
+    assert kernels.kernel_backend(BF) == "eager"
+
+
+def test_non_finite_values_reach_the_statistics():
+    x = table(64, 256, BF)
+    x[5, 7] = float("nan")
+    *_, st = native.quantize_pack(x, 8, 256, True, BF, True)
+    assert any(math.isnan(v) for v in st)
+    x = table(64, 256, F32)
+    x[9, 3] = float("inf")
+    packed, s, _, st = native.quantize_pack(x, 4, 32, False, F32, True)
+    assert not all(math.isfinite(v) for v in st)
+
+
+def test_native_unavailable_falls_back(monkeypatch):
+    monkeypatch.delenv("EMBEDQ_KERNEL", raising=False)
+    monkeypatch.setattr(native, "_lib", False)  # as when no C compiler is found
+    assert not kernels.native_ready(BF)
+    x = table(64, 128, BF)
+    scheme = Scheme.default(8)
+    assert_same(kernels.quantize_pack(x, scheme, BF, compiled=False),
+                kernels.reference(x, scheme, BF))
+    assert kernels.kernel_backend(BF) != "native"
