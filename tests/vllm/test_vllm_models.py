@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from _harness import load_model, param_bytes, reference, vocab_layers
+from _harness import assert_logits_match, load_model, param_bytes, prepared, reference, vocab_layers
 
 import _ev as ev
 
@@ -38,11 +38,12 @@ SCHEMES = {
 
 
 def _expected_bytes(rows_padded: int, cfg_entry: dict) -> int:
+    """Bytes of the overlay's tensors for one (padded) partition, as on disk."""
     bits, gs, sym = ev.scheme_of(cfg_entry)
     rows, cols = cfg_entry["shape"]
     groups = 1 if gs is None else cols // gs
     sd = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg_entry["scale_dtype"]]
-    n = rows_padded * cols * bits // 8 + rows_padded * groups * sd + 16
+    n = rows_padded * cols * bits // 8 + rows_padded * groups * sd
     if not sym:
         n += -(-rows_padded * bits // 32) * groups * 4  # packed along rows, as on disk
     return n
@@ -56,34 +57,51 @@ def _check_embedding(model_dir, layer, module, dtype=torch.bfloat16):
     got = layer(ids)
     assert got.dtype == dtype
     torch.testing.assert_close(got, ref[ids], rtol=0, atol=0)
+    # the whole served table decodes to the overlay's dequantization, padding rows to 0
+    table = layer.quant_method.dequantize_weight(layer, dtype)
+    torch.testing.assert_close(table[:vocab], ref, rtol=0, atol=0)
+    assert not table[vocab:].any()
     return ref
 
 
-def _check_logits(model, head, ref, dtype=torch.bfloat16):
+def _soft_cap(model, logits):
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _check_logits(model, head, ref, ref32, dtype=torch.bfloat16):
     vocab, hidden = ref.shape
     g = torch.Generator().manual_seed(2)
     h = torch.randn(5, hidden, generator=g).to(dtype)
     logits = model.compute_logits(h)
     assert logits.shape == (5, vocab)
-    expected = h.float() @ ref.float().t()
-    soft_cap = getattr(model.config, "final_logit_softcapping", None)
-    if soft_cap:
-        expected = torch.tanh(expected / soft_cap) * soft_cap
-    torch.testing.assert_close(logits.float(), expected, rtol=2e-2, atol=2e-2)
-    # the head's own matmul against a dense product in the same dtype: tight
+    # against dequantize-then-matmul in the same dtype, within the fast path's rounding bound
+    assert_logits_match(logits, _soft_cap(model, torch.nn.functional.linear(h, ref)))
     direct = head.quant_method.apply(head, h)[:, :vocab]
-    torch.testing.assert_close(direct.float(), (h @ ref.t()).float(), rtol=1e-2, atol=1e-2)
+    assert_logits_match(direct, torch.nn.functional.linear(h, ref))
+    # float32 activations: the reference arithmetic (chunked float32 dequantization)
+    direct32 = head.quant_method.apply(head, h.float())[:, :vocab]
+    assert_logits_match(direct32, h.float() @ ref32.t())
 
 
 def _check_memory(model_dir, layer, module):
+    """Serving holds the quantized table once: the prepared layout (~ the overlay's bytes),
+    the on-disk-layout Parameters released, never a float table."""
     qc = json.loads((model_dir / "quantization_config.json").read_text())
     entry = qc["modules"][module]
     assert layer.weight.numel() == 0  # the float table is not held
     assert layer.weight_packed.dtype == torch.int32
-    assert param_bytes(layer) == _expected_bytes(layer.num_embeddings_per_partition, entry)
+    assert param_bytes(layer) == 16  # only weight_shape (2 x int64) left in the Parameters
+    p = prepared(layer)
+    overlay = _expected_bytes(layer.num_embeddings_per_partition, entry)
+    bits = ev.scheme_of(entry)[0]
+    codes = layer.num_embeddings_per_partition * entry["shape"][1] * bits // 8
+    # int8: exactly the overlay's bytes; int4 (CPU kernel): scales + zeros in the
+    # activation dtype (4 bytes per group instead of 2)
+    assert codes < p.nbytes <= overlay * (1.0 if bits == 8 else 1.25), (p.nbytes, overlay, p.kind)
     rows, cols = entry["shape"]
     float_bytes = rows * cols * 2
-    assert param_bytes(layer) < float_bytes * (0.75 if ev.scheme_of(entry)[0] == 8 else 0.5)
+    assert p.nbytes < float_bytes * (0.75 if bits == 8 else 0.5)
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -95,12 +113,13 @@ def test_qwen2_tied(builder, scheme):
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
     assert isinstance(head.quant_method, ev.EmbedqMethod)
     # tied: one table, shared by parameter identity
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     assert head.weight_scale is embed.weight_scale
+    assert prepared(head) is prepared(embed)  # one serving table for gather and head
     names = {n for n, _ in model.named_parameters()}
     assert "lm_head.weight_packed" not in names  # de-duplicated: held once
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
     _check_memory(d, embed, "model.embed_tokens")
 
 
@@ -108,9 +127,9 @@ def test_qwen2_tied_derived(builder):
     d = builder.quantized("qwen2", "q4g32", derived=True, bits=4)
     _, model = load_model(d)
     embed, head = vocab_layers(model)
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
 
 
 @pytest.mark.parametrize("derived", [False, True], ids=["inplace", "derived"])
@@ -126,10 +145,11 @@ def test_llama_untied_quantized_head(builder, derived):
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
     assert isinstance(head.quant_method, ev.EmbedqMethod)
     assert head.weight_packed is not embed.weight_packed
+    assert prepared(head) is not prepared(embed)
     assert head.quant_method.spec.bits == 4 and embed.quant_method.spec.bits == 8
     _check_embedding(d, embed, "model.embed_tokens")
     ref_head = reference(d, "lm_head")
-    _check_logits(model, head, ref_head)
+    _check_logits(model, head, ref_head, reference(d, "lm_head", torch.float32))
     _check_memory(d, embed, "model.embed_tokens")
     _check_memory(d, head, "lm_head")
 
@@ -154,9 +174,9 @@ def test_gemma3_tied(builder, scheme):
     d = builder.quantized("gemma3", scheme, **SCHEMES[scheme])
     _, model = load_model(d)
     embed, head = vocab_layers(model)
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
     # Gemma scales the embedding by sqrt(hidden) in embed_input_ids
     ids = torch.tensor([3, 7, 11])
     normalizer = torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.bfloat16)
@@ -225,9 +245,9 @@ def test_gemma_embedding_without_quant_config(builder):
     embed, head = vocab_layers(model)
     assert type(embed).__name__ == "EmbedqVocabParallelEmbedding"
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
     _check_memory(d, embed, "model.embed_tokens")
 
 
@@ -266,9 +286,9 @@ def test_composes_with_base_quantization_config(builder, tmp_path):
     assert type(vc.quant_config.base).__name__ == "CompressedTensorsConfig"
     embed, head = vocab_layers(model)
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
     layer0 = model.model.layers[0]
     for lin in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj,
                 layer0.mlp.down_proj):
@@ -374,7 +394,7 @@ def test_gpt2_tied(builder):
     _, model = load_model(d)
     embed, head = vocab_layers(model)
     assert embed.embedq_name == "transformer.wte"
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "transformer.wte")
-    _check_logits(model, head, ref)
+    _check_logits(model, head, ref, reference(d, "transformer.wte", torch.float32))
     _check_memory(d, embed, "transformer.wte")

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from _harness import REPO, load_model, param_bytes, reference, vocab_layers
+from _harness import REPO, assert_logits_match, load_model, param_bytes, prepared, reference, vocab_layers
 
 import embedq
 import _ev as ev
@@ -42,7 +42,7 @@ def test_real_gemma3_270m(gemma3_270m, tmp_path, bits):
     vc, model = load_model(d)
     embed, head = vocab_layers(model)
     assert type(model).__name__ == "Gemma3ForCausalLM"
-    assert head.weight_packed is embed.weight_packed
+    assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = reference(d, "model.embed_tokens")
     vocab, hidden = ref.shape
     assert (vocab, hidden) == (262144, 640)
@@ -52,12 +52,21 @@ def test_real_gemma3_270m(gemma3_270m, tmp_path, bits):
     h = torch.randn(4, hidden, generator=g).to(torch.bfloat16)
     logits = model.compute_logits(h)
     assert logits.shape == (4, vocab)
+    cap = model.config.final_logit_softcapping
+    expected = torch.nn.functional.linear(h, ref)
+    if cap:
+        expected = torch.tanh(expected / cap) * cap
+    assert_logits_match(logits, expected)
     torch.testing.assert_close(logits.float(), h.float() @ ref.float().t(), rtol=2e-2, atol=5e-2)
-    # memory: the packed table (+ scales), never the 335 MB float table
+    # memory: one prepared table (codes + scales; 4-bit: scale/zero pairs in bf16), the
+    # on-disk-layout parameters released, never the 335 MB float table
+    p = prepared(embed)
+    assert p.kind == ("int8_row" if bits == 8 else "int4_cpu")
     per_row_scales = 1 if bits == 8 else hidden // 32
-    expected = vocab * hidden * bits // 8 + vocab * per_row_scales * 2 + 16
-    assert param_bytes(embed) == expected
-    assert param_bytes(embed) <= (vocab * hidden * 2) * (0.51 if bits == 8 else 0.32)
+    overlay = vocab * hidden * bits // 8 + vocab * per_row_scales * 2
+    assert param_bytes(embed) == 16  # weight_shape only
+    assert overlay <= p.nbytes <= overlay * (1.0 if bits == 8 else 1.12)
+    assert p.nbytes <= (vocab * hidden * 2) * (0.51 if bits == 8 else 0.32)
     # nothing else in the model holds a vocab-sized float table
     big = [n for n, p in model.named_parameters() if p.is_floating_point() and p.numel() >= vocab * hidden]
     assert not big, big

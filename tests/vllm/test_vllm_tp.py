@@ -1,6 +1,6 @@
 """Tensor parallelism 2 on CPU (gloo, two processes): each rank loads only its vocab
-shard of the packed table, scales and zero points; all-reduced embeddings and gathered
-logits equal the single-process result."""
+shard of the packed table, scales and zero points and prepares only that shard for
+serving; all-reduced embeddings and gathered logits equal the single-process result."""
 
 from __future__ import annotations
 
@@ -44,23 +44,24 @@ def test_tp2_matches_single_process(builder, tmp_path):
     table = ov.tables["model.embed_tokens"]
     vocab = table.rows
     full_zp = ev.pack_zero_point_rows(table.zero_point, table.bits, vocab)
-    per_part = None
+    ref = table.dequantize(torch.bfloat16)
     for res in results:
         assert res["tp_size"] == 2 and res["head_shares"]
         start, end = res["shard"]
-        params = res["params"]
-        packed, scale = params["weight_packed"], params["weight_scale"]
-        per_part = packed.shape[0]
+        # after loading, the on-disk-layout parameters are released ...
+        assert all(p.numel() == 0 for n, p in res["params"].items() if n != "weight_shape")
+        # ... and the prepared table holds this rank's rows only, padding after them
+        per_part = res["prepared_rows"]
         assert per_part == 256  # 500 padded to 512, halved
         n = end - start
-        # only this rank's rows, zero padding after them
-        assert torch.equal(packed[:n], table.packed[start:end])
-        assert torch.equal(scale[:n], table.scale[start:end])
-        assert not packed[n:].any() and not scale[n:].any()
-        zp_rows = ev.zero_points_of(params["weight_zero_point"], table.bits, torch.arange(n))
-        assert torch.equal(zp_rows.to(torch.int8), table.zero_point[start:end])
-        # memory: half the table (plus padding), packed
-        assert packed.numel() * 4 == per_part * table.cols * table.bits // 8
+        served = res["table"]
+        assert served.shape == (per_part, table.cols)
+        torch.testing.assert_close(served[:n], ref[start:end], rtol=0, atol=0)
+        assert not served[n:].any()
+        # memory: half the table (plus padding), quantized (codes + int8 zero points + scales)
+        codes = per_part * table.cols * table.bits // 8
+        assert codes < res["prepared_bytes"] <= codes + per_part * (table.cols // 16) * 3
+        assert res["prepared_kind"] == "chunked"  # 4-bit groups of 16: no CPU int4 kernel
     assert results[0]["shard"] == (0, 256) and results[1]["shard"] == (256, vocab)
     assert full_zp.shape[0] * 32 // table.bits >= vocab
 
@@ -70,7 +71,6 @@ def test_tp2_matches_single_process(builder, tmp_path):
     ids = torch.arange(0, vocab).flip(0)
     single_emb = embed(ids)
     single_logits = model.compute_logits(results[0]["h"])
-    ref = table.dequantize(torch.bfloat16)
     for res in results:
         torch.testing.assert_close(res["embeddings"], single_emb, rtol=0, atol=0)
         torch.testing.assert_close(res["embeddings"], ref[ids], rtol=0, atol=0)

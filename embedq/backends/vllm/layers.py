@@ -1,7 +1,18 @@
 """vLLM-facing classes of the embedq quantization method (imports vLLM).
 
 Imported by :func:`embedq.backends.vllm.register` inside vLLM processes only. Decoding
-goes through :mod:`embedq.format.codec`, the one decoder every back end uses.
+goes through :mod:`embedq.format.codec`, the one decoder every back end uses, and serving
+through :mod:`embedq.format.fastpath` (tested against it).
+
+Serving layout: after loading, ``process_weights_after_loading`` converts each table (this
+rank's vocab shard, padding rows included) once to a :class:`PreparedTable` (torch's
+weight-only int8/int4 kernels, or the bounded chunked fallback) and releases the storage
+of the on-disk-layout Parameters (they stay registered, empty, so names and sharing are
+unchanged). The prepared table hangs off the ``weight_packed`` Parameter object, which a
+tied head / MTP alias shares with its owner, so every sharer reads ONE table; each layer
+also gets it as ``layer.embedq_prepared``. ``EMBEDQ_FASTPATH=0`` keeps the reference
+path (chunked dequantization of the on-disk layout). Re-loading weights into a served
+model (vLLM's ``reload_weights``) is not supported once prepared.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from embedq.errors import OverlayError
 from embedq.format.config import parse_config, scheme_of
 from embedq.format.constants import FORMAT_VERSION, QCONFIG_NAME, QUANT_METHOD, is_head_name
 from embedq.format.dtypes import dtype_from_name
+from embedq.format.fastpath import PreparedTable
 
 logger = logging.getLogger("embedq.vllm")
 
@@ -268,6 +280,34 @@ class EmbedqConfig(QuantizationConfig):
             return UnquantizedEmbeddingMethod()
         return None
 
+# -- the prepared tables as custom ops ------------------------------------------------------
+# vLLM compiles the model's forward (embedding included) with dynamo; the fast path's
+# Python (chunk loops over the token count, kernel choice) is opaque to it through these
+# ops, which find their table by key. Eager calls skip the op dispatch.
+_PREPARED: "weakref.WeakValueDictionary[str, PreparedTable]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("embedq::vocab_embedding", mutates_args=())
+def _vocab_embedding_op(ids: torch.Tensor, key: str, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    return _PREPARED[key].embedding(ids, dtype)
+
+
+@_vocab_embedding_op.register_fake
+def _(ids, key, cols, dtype):
+    return ids.new_empty((*ids.shape, cols), dtype=dtype)
+
+
+@torch.library.custom_op("embedq::vocab_logits", mutates_args=())
+def _vocab_logits_op(x: torch.Tensor, key: str, rows: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _PREPARED[key].linear(x, bias)
+
+
+@_vocab_logits_op.register_fake
+def _(x, key, rows, bias=None):
+    return x.new_empty((*x.shape[:-1], rows))
+
+
 def _mark_loaded(param) -> None:
     param._embedq_loaded = True
 
@@ -402,6 +442,7 @@ class EmbedqMethod(QuantizeMethodBase):
                    if n in layer._parameters
                    and not getattr(layer._parameters[n], "_embedq_loaded", False)]
         if not missing:
+            self._prepare(layer)
             return
         if self.is_alias and getattr(layer, "embedq_shares", None) is None:
             # An MTP/draft embedding aliased to a table of another model: vLLM shares the
@@ -414,8 +455,47 @@ class EmbedqMethod(QuantizeMethodBase):
             f"from the checkpoint (expected tensors {self.owner}.weight_packed, ...). "
             "Is embedq.safetensors listed in model.safetensors.index.json?")
 
+    # -- serving layout --
+    @torch.no_grad()
+    def _prepare(self, layer) -> None:
+        """Convert this partition's table once to the fast path's layout (shared through
+        the ``weight_packed`` Parameter object) and release the on-disk copies."""
+        packed = layer.weight_packed
+        prepared = getattr(packed, "embedq_prepared", None)
+        if prepared is None:
+            if os.environ.get("EMBEDQ_FASTPATH") == "0":  # the reference decoder
+                return
+            zp = None if self.spec.symmetric else layer.weight_zero_point
+            prepared = PreparedTable.from_packed(
+                packed.data, layer.weight_scale.data, self.spec.cols, self.spec.bits,
+                self.spec.group_size, zero_point_packed=None if zp is None else zp.data,
+                device=packed.device, dtype=layer.params_dtype)
+            prepared.key = f"{self.owner}#{len(_PREPARED)}@{id(prepared):x}"
+            _PREPARED[prepared.key] = prepared
+            packed.embedq_prepared = prepared
+            # Release the on-disk layout (the Parameters stay, empty; a chunked fallback
+            # that kept the same tensors still holds them: one copy either way).
+            for n in ("weight_packed", "weight_scale", "weight_zero_point"):
+                p = layer._parameters.get(n)
+                if p is not None:
+                    p.data = torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype,
+                                         device=p.device)
+            logger.debug("embedq: %s prepared: %s", self.owner, prepared.describe())
+        layer.embedq_prepared = prepared
+
+    @staticmethod
+    def prepared_of(layer) -> PreparedTable | None:
+        """The layer's prepared table (shared by tied heads and aliases), or None."""
+        return getattr(layer.weight_packed, "embedq_prepared", None)
+
     # -- compute --
     def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
+        prepared = self.prepared_of(layer)
+        if prepared is not None:
+            if torch.compiler.is_compiling():
+                return _vocab_embedding_op(input_, prepared.key, prepared.cols,
+                                           layer.params_dtype)
+            return prepared.embedding(input_, layer.params_dtype)
         ids = input_.reshape(-1)
         zp = (None if self.spec.symmetric
               else zero_points_of(layer.weight_zero_point, self.spec.bits, ids))
@@ -423,17 +503,27 @@ class EmbedqMethod(QuantizeMethodBase):
                               self.spec.bits, self.spec.cols, layer.params_dtype)
         return out.reshape(*input_.shape, self.spec.cols)
 
-    def dequantize_weight(self, layer) -> torch.Tensor:
+    def dequantize_weight(self, layer, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The partition's full float table (for tests and re-quantization)."""
+        dtype = layer.params_dtype if dtype is None else dtype
+        prepared = self.prepared_of(layer)
+        if prepared is not None:
+            return prepared.dequantize_range(0, prepared.rows, dtype)
         rows = layer.weight_packed.shape[0]
         zp = (None if self.spec.symmetric else zero_points_of(
             layer.weight_zero_point, self.spec.bits,
             torch.arange(rows, device=layer.weight_packed.device)))
         return dequantize_rows(layer.weight_packed, layer.weight_scale, zp,
-                               self.spec.bits, self.spec.cols, layer.params_dtype)
+                               self.spec.bits, self.spec.cols, dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``x @ W^T`` over the padded partition, dequantizing W chunk by chunk."""
+        """Logits ``x @ W^T`` over the padded partition."""
+        prepared = self.prepared_of(layer)
+        if prepared is not None:
+            if torch.compiler.is_compiling():
+                return _vocab_logits_op(x, prepared.key, prepared.rows, bias)
+            return prepared.linear(x, bias)
+        # reference path (EMBEDQ_FASTPATH=0): dequantize W chunk by chunk
         packed, scale = layer.weight_packed, layer.weight_scale
         rows = packed.shape[0]
         zps = None

