@@ -358,7 +358,9 @@ def test_mtp_alias_shares_the_owner_table():
            "base_quantization_config": None,
            "modules": {"model.embed_tokens": {"num_bits": 4, "type": "int", "symmetric": True,
                                               "strategy": "group", "group_size": 32,
-                                              "scale_dtype": "bfloat16", "shape": [200, 64]}}}
+                                              "scale_dtype": "bfloat16", "shape": [200, 64],
+                                              # every module names its float source (contract §3)
+                                              "source": {"tensor": "model.embed_tokens.weight"}}}}
     with set_current_vllm_config(VllmConfig()):
         init_single_process()
         qc = ev.EmbedqConfig.from_config(cfg)
