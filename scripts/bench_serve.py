@@ -9,7 +9,7 @@ load from other processes on the machine hits all paths alike; medians, ratios t
 
 Paths per scheme ``S`` (``--schemes``, e.g. ``int8 q4g32 int8a q4g32a int8g32``):
   bf16        F.linear with the bf16 table (the baseline)
-  S           embedq.format.fastpath.PreparedTable.linear (the fast path)
+  S           embedq.kernels.PreparedTable.linear (the fast path)
   S-ref       today's back-end path: backends.transformers.QuantizedLMHead (chunked dequant)
 
     PYTHONPATH=. python scripts/bench_serve.py --shapes gemma270m --batches 1 8 64 -n 15
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedq.format.fastpath import PreparedTable  # noqa: E402
+from embedq.kernels import PreparedTable  # noqa: E402
 from embedq.quant.rtn import quantize_rtn  # noqa: E402
 from embedq.format.scheme import Scheme  # noqa: E402
 from embedq.format.codec import QuantizedTable  # noqa: E402

@@ -1,7 +1,7 @@
 """The one codec of the overlay format: packing, unpacking, dequantization, ``QuantizedTable``.
 
 Every reader (verify, the transformers, vLLM and ONNX back ends) decodes through this
-module; the fast serving paths in :mod:`embedq.format.fastpath` are tested against it.
+module; the fast serving paths in :mod:`embedq.kernels` are tested against it.
 
 Dense little-endian packing, byte-identical to compressed-tensors' ``pack_to_int32``.
 

@@ -1,4 +1,4 @@
-"""Every fast path of embedq.format.fastpath against the reference (dequantize, then index / F.linear).
+"""Every fast path of embedq.kernels against the reference (dequantize, then index / F.linear).
 
 Gathers must be bit-exact (same float32 arithmetic as QuantizedTable.dequantize).
 
@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedq.format import fastpath
-from embedq.format.fastpath import PreparedTable
+from embedq.kernels import prepared as fastpath
+from embedq.kernels import PreparedTable
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
 from embedq.format.codec import QuantizedTable

@@ -63,7 +63,7 @@ def set_table(folder: Path, tensor: str, value: torch.Tensor) -> None:
     save_file(sd, str(f), metadata={"format": "pt"})
 
 
-# The serving fast path (embedq.format.fastpath: torch's weight-only int8/int4 kernels)
+# The serving fast path (embedq.kernels: torch's weight-only int8/int4 kernels)
 # applies the scale after the float32 dot product, where the dequantized reference first
 # rounds every weight q*s to the activation dtype (bf16: relative 2^-9) and then
 # accumulates. Each logit therefore differs by at most ~2^-8 * sum_i |x_i w_i| plus one

@@ -169,7 +169,7 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 
 def prepared(layer):
-    """The serving table (embedq.format.fastpath.PreparedTable) a vLLM vocab layer reads."""
+    """The serving table (embedq.kernels.PreparedTable) a vLLM vocab layer reads."""
     p = layer.quant_method.prepared_of(layer)
     assert p is not None and layer.embedq_prepared is p
     return p

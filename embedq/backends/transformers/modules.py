@@ -14,7 +14,7 @@ from embedq.format.codec import zero_points_of
 from embedq.format.config import scheme_of
 from embedq.format.constants import HEAD_NAMES
 from embedq.format.dtypes import dtype_from_name
-from embedq.format.fastpath import PreparedTable
+from embedq.kernels import PreparedTable
 from embedq.format.reader import load_overlay
 
 # Dequantize about this many bytes of float32 table at a time in the head.
@@ -79,7 +79,7 @@ class PackedTable(nn.Module):
     # -- serving layout ---------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, dtype: torch.dtype) -> None:
-        """Convert the loaded table to the serving layout of :mod:`embedq.format.fastpath`
+        """Convert the loaded table to the serving layout of :mod:`embedq.kernels`
         (torch's weight-only int8/int4 kernels) for activations of ``dtype``, on the
         buffers' device, chunk by chunk; the on-disk copies are then released, so the
         gather and the head of a tied model read one table."""

@@ -2,7 +2,7 @@
 
 Imported by :func:`embedq.backends.vllm.register` inside vLLM processes only. Decoding
 goes through :mod:`embedq.format.codec`, the one decoder every back end uses, and serving
-through :mod:`embedq.format.fastpath` (tested against it).
+through :mod:`embedq.kernels` (tested against it).
 
 Serving layout: after loading, ``process_weights_after_loading`` converts each table (this
 rank's vocab shard, padding rows included) once to a :class:`PreparedTable` (torch's
@@ -45,7 +45,7 @@ from embedq.errors import OverlayError
 from embedq.format.config import parse_config, scheme_of
 from embedq.format.constants import FORMAT_VERSION, QCONFIG_NAME, QUANT_METHOD, is_head_name
 from embedq.format.dtypes import dtype_from_name
-from embedq.format.fastpath import PreparedTable
+from embedq.kernels import PreparedTable
 
 logger = logging.getLogger("embedq.vllm")
 
