@@ -11,8 +11,15 @@ Reference semantics (embedq.format.codec.QuantizedTable.dequantize): row ``r``,
 column ``c`` is ``(q - zp) * scale`` in float32, ``q`` the signed code, ``zp`` the
 signed zero point (0 when symmetric), ``scale``/``zp`` those of ``c``'s group.
 
-Paths (``PreparedTable.kind``), chosen at prepare time:
+Paths (``PreparedTable.kind``: the layout), chosen at prepare time by the one dispatch
+table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype and M:
 
+* ``native``     embedq's own C kernel (:mod:`embedq.kernels.native_head`), every scheme on
+  x86-64 CPUs with AVX512-BF16: codes converted to bf16 once per call, exact products,
+  scales after the dot, each weight byte read once per call at every M. The gather reads
+  the same blocked layout. The default on such CPUs; the rows below are its fallbacks.
+* ``triton``     CUDA (or ``EMBEDQ_SERVE_KERNEL=triton``): Triton kernels over the stored
+  layout (:mod:`embedq.kernels.triton_head`, when present).
 * ``int8_row``   8-bit, one scale per row: int8 codes [rows, cols]. CPU bf16 activations:
   ``torch._weight_int8pack_mm``; asymmetric adds the per-row correction
   ``- s*z*sum(x)``. CUDA: the same op, bf16/fp16 (UNTESTED: no GPU here; an error
@@ -57,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32, unpack_zero_points
+from embedq.kernels import dispatch, native_head
 
 # Elements of table decoded per chunk (fallback logits, and conversion at load).
 CHUNK_ELEMS = 1 << 22
@@ -186,29 +194,50 @@ class PreparedTable:
         if tuple(scale.shape) != (rows, self.groups):
             raise ValueError(f"scale has shape {list(scale.shape)}, expected {[rows, self.groups]}")
 
-        why = "requested" if prefer == "chunked" else self._fast_kind()
-        if why is None:
-            self._prepare_fast(packed, scale, zero_point)
+        if prefer == "chunked":
+            self._prepare_chunked(packed, scale, zero_point, "requested")
+            return self
+        layout, refused = dispatch.choose_layout(self, self._check)
+        if refused and (layout == "chunked" or dispatch.forced()):
+            _warn_once("; ".join(refused))
+        elif refused and self.device.type == "cpu" and layout != "native":
+            _warn_once(f"{refused[0]}; using {layout}")
+        self.kind = layout
+        if layout == "chunked":
+            self._prepare_chunked(packed, scale, zero_point, "; ".join(refused) or "no kernel")
+        elif layout == "native":
+            self.w, self.s, self.z = native_head.pack(
+                packed, scale, zero_point, self.bits, self.cols, max(native_head.BLOCK, CHUNK_ELEMS // self.cols))
+        elif layout == "triton":
+            self._prepare_chunked(packed, scale, zero_point, None)
+            self.kind = "triton"
         else:
-            self._prepare_chunked(packed, scale, zero_point, why)
+            self._prepare_fast(packed, scale, zero_point)
         return self
 
-    def _fast_kind(self) -> str | None:
-        """Set ``self.kind`` to the fast path for this scheme/device; else return why not."""
+    def _check(self, layout: str) -> str | None:
+        """None when ``layout`` can hold this table here, else why not (the dispatch asks)."""
         K, g, dev = self.cols, self.group, self.device
-        if self.bits == 8:
+        if layout == "chunked":
+            return None
+        if layout == "native":
+            if dev.type != "cpu":
+                return f"device {dev.type}"
+            return native_head.unavailable() or native_head.supports(self.bits, K, g, self.scale_dtype)
+        if layout == "triton":
+            try:
+                from embedq.kernels import triton_head
+            except ImportError as e:
+                return f"no Triton kernels ({e})"
+            return triton_head.available(dev)
+        if layout in ("int8_row", "int8_group"):
             if K % 16 or g % 16:
                 # torch's int8 kernel steps 16 columns at a time with aligned loads
                 return f"int8 with {K} columns / groups of {g} (the int8 kernel needs multiples of 16)"
-            if dev.type == "cuda" and self.group_size is not None:
-                return "int8 groups on CUDA (no fused kernel wired yet)"
-            if dev.type not in ("cpu", "cuda"):
+            if dev.type not in ("cpu", "cuda") or (layout == "int8_group" and dev.type != "cpu"):
                 return f"device {dev.type}"
-            self.kind = "int8_row" if self.group_size is None else "int8_group"
             return None
-        # 4 bits
-        if dev.type == "cuda":
-            return "4-bit on CUDA (tinygemm/Triton path not wired yet)"
+        # int4_cpu
         if not _is_cpu(dev):
             return f"device {dev.type}"
         if _int4_layout() is None:
@@ -220,15 +249,13 @@ class PreparedTable:
             return f"4-bit groups of {g} (the int4 kernel takes groups of 32, 64, 128 or 256)"
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"dtype {self.dtype}"
-        self.kind = "int4_cpu"
         self.kgroup = kg
         return None
 
-    def _prepare_chunked(self, packed, scale, zero_point, why: str) -> None:
+    def _prepare_chunked(self, packed, scale, zero_point, why: str | None) -> None:
+        """The on-disk layout as is (the chunked reference; Triton reads it too)."""
         self.kind = "chunked"
         self.reason = why
-        if why != "requested":
-            _warn_once(f"{why}: using chunked dequantization (slow)")
         dev = self.device
         self.packed = packed.to(dev).contiguous()
         self.scale = scale.to(dev).contiguous()
@@ -266,8 +293,9 @@ class PreparedTable:
         self.rep = rep
         if not torch.equal(scale.to(self.dtype).to(scale.dtype), scale):
             # the kernel reads scales in the activation dtype: a lossy cast would change W
-            self._prepare_chunked(packed, scale, zero_point,
-                                  f"{scale.dtype} scales are not exact in {self.dtype}")
+            why = f"{scale.dtype} scales are not exact in {self.dtype}"
+            _warn_once(f"{why}: using chunked dequantization (slow)")
+            self._prepare_chunked(packed, scale, zero_point, why)
             return
         Np = -(-N // _ROW_ALIGN) * _ROW_ALIGN
         self.rows_padded = Np
@@ -294,8 +322,9 @@ class PreparedTable:
             if zero_point is not None:
                 back = self._zp_from(s_d, z_d)
                 if not torch.equal(back, zero_point[a:a + r].to(torch.int8)):
-                    self._prepare_chunked(packed, scale, zero_point,
-                                          f"zero points not recoverable from {self.dtype} scale*zero")
+                    why = f"zero points not recoverable from {self.dtype} scale*zero"
+                    _warn_once(f"{why}: using chunked dequantization (slow)")
+                    self._prepare_chunked(packed, scale, zero_point, why)
                     return
             sz[:, a:a + r, 0] = s_d.repeat_interleave(rep, dim=1).t()
             sz[:, a:a + r, 1] = z_d.repeat_interleave(rep, dim=1).t()
@@ -319,7 +348,8 @@ class PreparedTable:
     def nbytes(self) -> int:
         """Bytes held (codes, scales, zero points; int4 includes its row padding)."""
         names = {"int8_row": ("w8", "scale", "zp"), "int8_group": ("w8", "scale", "zp"),
-                 "int4_cpu": ("w4", "sz"), "chunked": ("packed", "scale", "zp")}[self.kind]
+                 "int4_cpu": ("w4", "sz"), "native": ("w", "s", "z"),
+                 "chunked": ("packed", "scale", "zp"), "triton": ("packed", "scale", "zp")}[self.kind]
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in names) if t is not None)
 
     def describe(self) -> str:
@@ -332,7 +362,11 @@ class PreparedTable:
     def _rows(self, ids: torch.Tensor):
         """(signed codes int8 [n, K], scale [n, G], zp int8 [n, G] or None) of rows ``ids``."""
         kind = self.kind
-        if kind == "int8_row":
+        if kind == "native":
+            q = native_head.codes(self.w, self.bits, ids, self.cols)
+            s = native_head.group_params(self.s, ids)
+            zp = None if self.z is None else native_head.group_params(self.z, ids)
+        elif kind == "int8_row":
             q = self.w8[ids]
             s = self.scale[ids].unsqueeze(1)
             zp = None if self.zp is None else self.zp[ids].unsqueeze(1)
@@ -356,6 +390,19 @@ class PreparedTable:
     def _rows_range(self, a: int, b: int):
         """Like :meth:`_rows` for the contiguous rows ``a:b``, decoding whole blocks (fast)."""
         kind, K = self.kind, self.cols
+        if kind == "native":
+            B = native_head.BLOCK
+            a0, b0 = a // B * B, -(-b // B) * B  # whole blocks
+            w = self.w[a0 // B: b0 // B]
+            if self.bits == 8:
+                q = w.transpose(1, 2).reshape(b0 - a0, K)
+            else:
+                byt = w.transpose(1, 2).reshape(b0 - a0, K // 2)
+                q = torch.stack([byt & 15, byt >> 4], dim=-1).reshape(b0 - a0, K).to(torch.int8) - 8
+            s = self.s[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
+            z = None if self.z is None else self.z[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
+            sl = slice(a - a0, b - a0)
+            return q[sl], s[sl], None if z is None else z[sl]
         if kind == "int4_cpu":
             B, pos = _int4_layout()
             a0, b0 = a // B * B, -(-b // B) * B  # whole blocks (rows are padded to 64)
@@ -417,22 +464,16 @@ class PreparedTable:
 
     __call__ = linear
 
-    def _kernel_ok(self, x: torch.Tensor) -> bool:
-        if x.device.type == "cuda":
-            return x.dtype in (torch.bfloat16, torch.float16)
-        # On x86 torch's vectorized int8/int4 CPU kernels exist for bf16 only; fp16/fp32
-        # run scalar loops (measured 0.4-0.65 s vs 0.06 s bf16 on the Gemma head).
-        return x.dtype == torch.bfloat16
-
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        kind = self.kind
-        if kind == "chunked" or not self._kernel_ok(x):
-            return self._linear_chunked(x)
-        if kind == "int8_row":
-            return self._linear_int8_row(x)
-        if kind == "int8_group":
-            return self._linear_int8_group(x)
-        return self._linear_int4_cpu(x)
+        return getattr(self, dispatch.kernel_for(self.kind, x))(x)
+
+    def _linear_native(self, x: torch.Tensor) -> torch.Tensor:
+        return native_head.head(self.w, self.s, self.z, self.bits, self.rows, self.cols, self.group, x)
+
+    def _linear_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from embedq.kernels import triton_head
+        return triton_head.logits(x, self.packed, self.scale, self.zp, bits=self.bits,
+                                  group_size=self.group_size, cols=self.cols)
 
     @staticmethod
     def _aligned(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.kernels import prepared as fastpath
-from embedq.kernels import PreparedTable
+from embedq.kernels import PreparedTable, native_head
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
 from embedq.format.codec import QuantizedTable
@@ -80,23 +80,37 @@ def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: t
 
 def _xs(cols: int, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    for shape in ((1, cols), (3, cols), (64, cols), (2, 5, cols), (cols,)):
+    for shape in ((1, cols), (3, cols), (8, cols), (17, cols), (64, cols), (2, 5, cols), (cols,)):
         x = torch.randn(*shape, generator=gen)
         for dt in (BF, F16, F32):
             yield x.to(dt)
 
 
+@pytest.fixture
+def torch_layouts(monkeypatch):
+    """Only torch's weight-only layouts (the fallbacks where the native kernel cannot run)."""
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", "torch")
+
+
+NATIVE = native_head.unavailable() is None
+
+
+@pytest.mark.parametrize("serve", ["native", "torch"])
 @pytest.mark.parametrize("bits,group,sym,shape", CASES,
                          ids=[f"int{b}-{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}"
                               for b, g, s, (r, c) in CASES])
-def test_fast_path_matches_reference(bits, group, sym, shape):
+def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch):
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", serve)
     qt = _table(bits, group, sym, *shape)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every scheme here has a fast path on CPU: no fallback warning
+        if serve == "torch" or NATIVE:  # every scheme here has this fast path: no fallback warning
+            warnings.simplefilter("error")
         p = PreparedTable.from_table(qt)
     expected = {8: "int8_row" if group is None else "int8_group", 4: "int4_cpu"}[bits]
     if bits == 4 and fastpath._int4_layout() is None:  # pragma: no cover - exotic CPU
         expected = "chunked"
+    if serve == "native":
+        expected = "native" if NATIVE else "chunked"
     assert p.kind == expected, p.describe()
     # memory: the quantized size (int4: + the kernel's interleaved scale/zero pairs and row padding)
     assert p.nbytes <= qt.nbytes() * 1.3 + 64 * qt.cols, (p.nbytes, qt.nbytes())
@@ -130,12 +144,22 @@ def test_chunked_fallback_matches_reference(bits, group, sym, monkeypatch):
         assert torch.equal(p.dequantize_range(0, qt.rows, BF), qt.dequantize(BF))
 
 
-def test_tied_one_buffer_from_overlay_tensors():
+def test_native_is_the_default_layout_on_this_cpu():
+    """With AVX512-BF16 every scheme the tests use prepares the native layout (one buffer)."""
+    if not NATIVE:
+        pytest.skip(f"not on this CPU: {native_head.unavailable()}")
+    for bits, group, sym in SCHEMES:
+        assert PreparedTable.from_table(_table(bits, group, sym, 1000, 256)).kind == "native"
+
+
+@pytest.mark.parametrize("serve", ["native", "torch"])
+def test_tied_one_buffer_from_overlay_tensors(serve, monkeypatch):
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", serve)
     """What a back end holds (packed zero points along rows): one object serves gather and head."""
     qt = _table(4, 32, False, 1000, 256)
     p = PreparedTable.from_packed(qt.packed, qt.scale, qt.cols, qt.bits, qt.group_size,
                                   zero_point_packed=qt.packed_zero_point())
-    assert p.kind == "int4_cpu"
+    assert p.kind == ("int4_cpu" if serve == "torch" else "native" if NATIVE else "chunked")
     ids = torch.tensor([3, 999, 0])
     assert torch.equal(p.embedding(ids, BF), qt.dequantize(BF, rows=ids))
     x = torch.randn(2, 256, dtype=BF)
@@ -150,7 +174,7 @@ def test_tied_one_buffer_from_overlay_tensors():
     (8, None, 100, "multiples of 16"),
     (8, 8, 96, "multiples of 16"),
 ])
-def test_unsupported_scheme_falls_back_with_one_warning(bits, group, cols, why):
+def test_unsupported_scheme_falls_back_with_one_warning(bits, group, cols, why, torch_layouts):
     fastpath._warned.clear()
     qt = _table(bits, group, True, 300, cols)
     with pytest.warns(RuntimeWarning, match=why):
@@ -164,7 +188,7 @@ def test_unsupported_scheme_falls_back_with_one_warning(bits, group, cols, why):
     assert torch.equal(p.embedding(torch.arange(300), BF), qt.dequantize(BF))
 
 
-def test_int4_scales_not_exact_in_activation_dtype_fall_back():
+def test_int4_scales_not_exact_in_activation_dtype_fall_back(torch_layouts):
     fastpath._warned.clear()
     qt = _table(4, 32, True, 200, 64, scale_dtype=F32)
     with pytest.warns(RuntimeWarning, match="not exact"):
@@ -178,7 +202,7 @@ def test_int4_scales_not_exact_in_activation_dtype_fall_back():
     assert torch.equal(p32.embedding(torch.arange(200), F32), qt.dequantize(F32))
 
 
-def test_int4_large_group_uses_kernel_groups():
+def test_int4_large_group_uses_kernel_groups(torch_layouts):
     """Per-row and groups > 256 repeat their scale over groups the int4 kernel accepts."""
     qt = _table(4, 512, False, 300, 1024)
     p = PreparedTable.from_table(qt)
@@ -188,7 +212,9 @@ def test_int4_large_group_uses_kernel_groups():
     assert torch.equal(p.embedding(torch.arange(300), F32), qt.dequantize(F32))
 
 
-def test_misaligned_activations():
+@pytest.mark.parametrize("serve", ["native", "torch"])
+def test_misaligned_activations(serve, monkeypatch):
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", serve)
     """A view at an odd offset (the int8 kernel uses aligned loads) still works."""
     qt = _table(8, None, True, 1000, 256)
     p = PreparedTable.from_table(qt)

@@ -1,0 +1,88 @@
+"""Build a small C source into a shared library once, cache it, load it with ctypes.
+
+Shared by every native kernel (serving kernels here, the quantizer's in
+:mod:`embedq.quant.native`). A library is keyed by its source, flags, compiler and the CPU
+flags (``-march=native`` code must not run on another CPU), kept in
+:func:`kernel_cache_dir`, and written atomically (concurrent builders are harmless).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+def compiler() -> str | None:
+    """The C compiler to use (``$CC``, cc, gcc, clang), or None."""
+    for c in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if c and shutil.which(c):
+            return shutil.which(c)
+    return None
+
+
+def cpu_ident() -> str:
+    """The CPU's feature flags (part of every library's cache key)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.machine() + platform.processor()
+
+
+def cpu_flags() -> set[str]:
+    return set(cpu_ident().split(":", 1)[-1].split())
+
+
+def kernel_cache_dir() -> Path:
+    """Where built kernels are kept (``EMBEDQ_KERNEL_CACHE``; default ``~/.cache/embedq/kernels``)."""
+    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("EMBEDQ_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
+
+
+def library_path(name: str, source: str, flags: list[str], cc: str) -> Path:
+    ident = repr((source, flags, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
+                  cpu_ident(), sys.platform))
+    return kernel_cache_dir() / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.so"
+
+
+def _build(cc: str, source: str, flags: list[str], libs: list[str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+    src = tmp.with_suffix(".c")
+    try:
+        src.write_text(source)
+        r = subprocess.run([cc, *flags, "-o", str(tmp), str(src), *libs],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
+        os.replace(tmp, path)
+    finally:
+        src.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+
+
+def load_library(name: str, source: str, flags: list[str], libs: list[str] = ()) -> ctypes.CDLL:
+    """Build (once per machine) and load; raises on any failure (the caller falls back)."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    path = library_path(name, source, list(flags), cc)
+    if not path.is_file():
+        _build(cc, source, list(flags), list(libs), path)
+    return ctypes.CDLL(str(path))
+
+
+__all__ = ["compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir", "library_path", "load_library"]

@@ -1,0 +1,306 @@
+"""embedq's own CPU head kernel: ``x @ dequant(W)^T`` exact on bf16 activations, at every M.
+
+Why: torch's weight-only CPU kernels decode the weights again for every 4 activation rows
+(their cost grows with the batch); W8A8 kernels quantize the head's input, which costs more
+accuracy on Gemma than the table's own quantization. This kernel does neither:
+
+* int8 and 4-bit codes are exact in bf16, so each code is converted to bf16 once per call
+  (16 rows x 2 columns per 512-bit register) and multiplied with the bf16 activations by
+  AVX512-BF16 ``vdpbf16ps`` (exact products, float32 sums); the row/group scale is applied
+  once per group after the dot, and asymmetric rows subtract ``z * sum(x_group)`` first.
+  The result is the reference ``x @ ((q - z) * s)^T`` up to float32 summation order.
+* every weight byte is read and decoded once per call whatever M is: a block of 16 rows is
+  decoded into an L1 scratch and every 16-row tile of activations runs over it.
+* activations are transposed once per call into bf16 pairs (exact), so each broadcast is
+  one memory operand.
+
+Layout (the ONE prepared table: the gather reads it too): rows in blocks of 16 (the last
+padded with zero scales), columns in pairs. int8: signed codes ``[NB, K/2, 16, 2]``;
+4-bit: bytes ``[NB, K/2, 16]`` holding the stored nibbles (low = column 2p, offset binary);
+scales ``[NB, G, 16]`` in their stored dtype; zero points ``[NB, G, 16]`` int8. Same bytes
+as the overlay plus the row padding.
+
+Needs x86-64 with AVX512F/BW/VL and AVX512_BF16 and a C compiler (built once, ~1 s,
+cached by source and CPU flags); otherwise :func:`unavailable` says why and the dispatch
+table falls back (torch's weight-only kernels, then chunked dequantization).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import threading
+
+import torch
+
+from embedq.kernels.build import cpu_flags, load_library
+
+C_SOURCE = r"""#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <pthread.h>
+#include <immintrin.h>
+
+/* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
+   int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
+   high = 2p+1, offset binary (u = q + 8) as stored. scales [NB][G][16] in their stored
+   dtype (0 f32, 1 bf16, 2 f16); zero points [NB][G][16] int8 or NULL. */
+
+#define SEG 128 /* column pairs decoded at a time into the L1 scratch (16 rows x 256 columns) */
+#define MT 16   /* activation rows per register tile */
+
+typedef struct {
+    const uint8_t* w; const void* s; const int8_t* z; const int32_t* xp; const float* xs;
+    uint16_t* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind;
+} job_t;
+
+static inline __m512i dec8(const int8_t* p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0..15 from lo: pair-interleaved */
+}
+
+static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
+}
+
+static inline __m512 load_scale(const void* s, int kind, int64_t i) {
+    if (kind == 0) return _mm512_loadu_ps((const float*)s + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i));
+    if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void tile(
+        const int nm, const __m512i* scr, int64_t np, const int32_t* xp,
+        float* accb, float* outb, int first, int last, __m512 sv, __m512 zv, const float* xs, int64_t G) {
+    /* xp: activation pairs [np][16] (one 32-bit bf16 pair per activation row): one base
+       pointer, constant offsets, so every broadcast folds into vdpbf16ps' memory operand. */
+    enum { NA = 2 };  /* two accumulator sets (even/odd pairs) hide vdpbf16ps latency at small M */
+    __m512 acc[NA][MT];
+    for (int i = 0; i < nm; i++) {
+        acc[0][i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+        acc[1][i] = _mm512_setzero_ps();
+    }
+    int64_t p = 0;
+    if (nm <= 8) {
+        for (; p + 1 < np; p += 2) {
+            __m512bh w0 = (__m512bh)_mm512_load_si512(scr + p), w1 = (__m512bh)_mm512_load_si512(scr + p + 1);
+            for (int i = 0; i < nm; i++) {
+                acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, (__m512bh)_mm512_set1_epi32(xp[p * 16 + i]));
+                acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, (__m512bh)_mm512_set1_epi32(xp[p * 16 + 16 + i]));
+            }
+        }
+    }
+    for (; p < np; p++) {
+        __m512bh wv = (__m512bh)_mm512_load_si512(scr + p);
+        for (int i = 0; i < nm; i++)
+            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], wv, (__m512bh)_mm512_set1_epi32(xp[p * 16 + i]));
+    }
+    for (int i = 0; i < nm; i++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[1][i]);
+    if (last) {
+        for (int i = 0; i < nm; i++) {
+            __m512 t = acc[0][i];
+            if (xs) t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[i * G]), t);
+            _mm512_store_ps(outb + 16 * i, _mm512_fmadd_ps(t, sv, _mm512_load_ps(outb + 16 * i)));
+        }
+    } else {
+        for (int i = 0; i < nm; i++) _mm512_store_ps(accb + 16 * i, acc[0][i]);
+    }
+}
+
+#define T(n) case n: tile(n, scr, np, xp, accb, outb, first, last, sv, zv, xs, G); break;
+static void tile_any(int nm, const __m512i* scr, int64_t np, const int32_t* xp, float* accb,
+                     float* outb, int first, int last, __m512 sv, __m512 zv, const float* xs, int64_t G) {
+    switch (nm) { T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12) T(13) T(14) T(15) T(16) }
+}
+
+static void* run(void* arg) {
+    job_t* j = (job_t*)arg;
+    const int64_t M = j->M, K = j->K, G = j->G, g = j->g, P = g / 2, KP = K / 2;
+    __m512i* scr = aligned_alloc(64, SEG * 64);
+    float* outb = aligned_alloc(64, M * 64);
+    float* accb = aligned_alloc(64, M * 64);
+    __m512i tbl = _mm512_setzero_si512();
+    if (j->bits == 4) {
+        uint16_t t[32] = {0};
+        for (int n = 0; n < 16; n++) { float f = (float)(n - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
+        tbl = _mm512_loadu_si512(t);
+    }
+    for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
+        memset(outb, 0, M * 64);
+        for (int64_t gi = 0; gi < G; gi++) {
+            __m512 sv = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+            __m512 zv = _mm512_setzero_ps();
+            if (j->z) zv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + (nb * G + gi) * 16))));
+            for (int64_t p0 = 0; p0 < P; p0 += SEG) {
+                int64_t np = P - p0 < SEG ? P - p0 : SEG;
+                int64_t pair = nb * KP + gi * P + p0;
+                if (j->bits == 8) { const int8_t* w = (const int8_t*)j->w + pair * 32; for (int64_t p = 0; p < np; p++) scr[p] = dec8(w + 32 * p); }
+                else { const uint8_t* w = j->w + pair * 16; for (int64_t p = 0; p < np; p++) scr[p] = dec4(w + 16 * p, tbl); }
+                for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                    int nm = M - m0 < MT ? (int)(M - m0) : MT;
+                    tile_any(nm, scr, np, j->xp + ((m0 / MT) * KP + gi * P + p0) * 16, accb + m0 * 16, outb + m0 * 16,
+                             p0 == 0, p0 + np == P, sv, zv, j->xs ? j->xs + m0 * G + gi : NULL, G);
+                }
+            }
+        }
+        int64_t r0 = nb * 16, nr = j->V - r0 < 16 ? j->V - r0 : 16;
+        __mmask16 mk = (__mmask16)((1u << nr) - 1);
+        for (int64_t m = 0; m < M; m++)
+            _mm256_mask_storeu_epi16(j->out + m * j->ldo + r0, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(outb + 16 * m)));
+    }
+    free(scr); free(outb); free(accb);
+    return NULL;
+}
+
+/* logits[M, V] (bf16, row stride ldo) = x[M, K] (bf16) @ dequant(W)^T, on nthreads threads. */
+int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
+              int64_t g, const uint16_t* x, int64_t M, uint16_t* out, int64_t ldo, int nthreads) {
+    const int64_t G = K / g, NB = (V + 15) / 16;
+    float* xs = NULL;
+    if (z) {
+        xs = malloc(M * G * sizeof(float));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < G; gi++) {
+                float a = 0;
+                for (int64_t k = 0; k < g; k++) { uint32_t u = (uint32_t)x[m * K + gi * g + k] << 16; float f; memcpy(&f, &u, 4); a += f; }
+                xs[m * G + gi] = a;
+            }
+    }
+    /* Activations once per call: [M/16][K/2][16] bf16 pairs (a transpose, exact). */
+    const int64_t KP = K / 2, MB = (M + MT - 1) / MT;
+    int32_t* xp = aligned_alloc(64, MB * KP * 64);
+    const int32_t* x32 = (const int32_t*)x;
+    for (int64_t mb = 0; mb < MB; mb++)
+        for (int64_t p = 0; p < KP; p++)
+            for (int64_t i = 0; i < MT; i++) {
+                int64_t m = mb * MT + i;
+                xp[(mb * KP + p) * MT + i] = m < M ? x32[m * KP + p] : 0;
+            }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > NB) nthreads = (int)NB;
+    job_t jobs[64]; pthread_t th[64];
+    if (nthreads > 64) nthreads = 64;
+    for (int t = 0; t < nthreads; t++) {
+        job_t jj = {w, s, z, xp, xs, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, bits, skind};
+        jobs[t] = jj;
+    }
+    int joined[64] = {0};
+    for (int t = 1; t < nthreads; t++) joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
+    run(&jobs[0]);
+    for (int t = 1; t < nthreads; t++) { if (joined[t]) pthread_join(th[t], NULL); else run(&jobs[t]); }
+    free(xs); free(xp);
+    return 0;
+}
+"""
+
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
+         "-shared", "-fPIC", "-pthread"]
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
+BLOCK = 16  # rows per block (one 512-bit register of float32 lanes)
+_SKIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_lib = None  # ctypes library, or False when unavailable
+_reason: str | None = None
+
+
+def _load():
+    global _lib, _reason
+    with _lock:
+        if _lib is not None:
+            return _lib or None
+        try:
+            if platform.machine().lower() not in ("x86_64", "amd64"):
+                raise RuntimeError(f"not x86-64 ({platform.machine()})")
+            missing = [f for f in NEEDS if f not in cpu_flags()]
+            if missing:
+                raise RuntimeError(f"CPU lacks {', '.join(missing)}")
+            lib = load_library("head", C_SOURCE, FLAGS)
+            P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            lib.head_bf16.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, I, Fi]
+            lib.head_bf16.restype = Fi
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 - any failure means: use another kernel
+            _reason = f"native head kernel unavailable: {e}"
+            _lib = False
+        return _lib or None
+
+
+def unavailable() -> str | None:
+    """None when the kernel can run here, else why not (one line)."""
+    return None if _load() is not None else _reason
+
+
+def supports(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str | None:
+    """None when the layout takes this scheme, else why not."""
+    if bits not in (4, 8):
+        return f"{bits}-bit codes"
+    if cols % 2 or group % 2:
+        return f"odd columns/groups ({cols}/{group}): the kernel reads column pairs"
+    if scale_dtype not in _SKIND:
+        return f"{scale_dtype} scales"
+    return None
+
+
+def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
+    """[rows, n, ...] -> [rows_padded / 16, n, 16, ...] (padding rows zero)."""
+    pad = rows_padded - t.shape[0]
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    t = t.view(rows_padded // BLOCK, BLOCK, *t.shape[1:])
+    return t.transpose(1, 2).contiguous()
+
+
+def pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+         bits: int, cols: int, step_rows: int):
+    """The blocked layout ``(w, s, z)`` from overlay tensors, ``step_rows`` rows at a time."""
+    rows = packed.shape[0]
+    nb = -(-rows // BLOCK)
+    shape = (nb, cols // 2, BLOCK, 2) if bits == 8 else (nb, cols // 2, BLOCK)
+    w = torch.empty(shape, dtype=torch.int8 if bits == 8 else torch.uint8)
+    step = max(BLOCK, step_rows // BLOCK * BLOCK)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        byt = packed[a:b].contiguous().view(torch.uint8).reshape(b - a, -1)
+        if bits == 8:  # offset binary u = q + 128 -> signed q: same bytes, top bit flipped
+            blk = (byt ^ 0x80).view(torch.int8).view(b - a, cols // 2, 2)
+        else:          # bytes as stored: two offset-binary nibbles, element 0 low
+            blk = byt
+        pb = -(-(b - a) // BLOCK) * BLOCK
+        w[a // BLOCK: a // BLOCK + pb // BLOCK] = _blocked(blk, pb)
+    s = _blocked(scale, nb * BLOCK)
+    z = None if zero_point is None else _blocked(zero_point.to(torch.int8), nb * BLOCK)
+    return w, s, z
+
+
+def codes(w: torch.Tensor, bits: int, ids: torch.Tensor, cols: int) -> torch.Tensor:
+    """Signed codes int8 [n, cols] of rows ``ids`` read from the blocked layout."""
+    blk, lane = ids // BLOCK, ids % BLOCK
+    if bits == 8:
+        return w[blk, :, lane, :].reshape(-1, cols)
+    b = w[blk, :, lane]  # [n, cols/2] stored bytes
+    return (torch.stack([b & 15, b >> 4], dim=-1).reshape(-1, cols).to(torch.int8) - 8)
+
+
+def group_params(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zero points [n, G] of rows ``ids`` from ``[NB, G, 16]``."""
+    return t[ids // BLOCK, :, ids % BLOCK]
+
+
+def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
+    """``x [M, cols] bf16 @ dequant(W)^T`` -> [M, rows] bf16."""
+    lib = _load()
+    x = x.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, rows, dtype=torch.bfloat16)
+    lib.head_bf16(w.data_ptr(), s.data_ptr(), _SKIND[s.dtype], None if z is None else z.data_ptr(),
+                  bits, rows, cols, group, x.data_ptr(), M, out.data_ptr(), rows,
+                  torch.get_num_threads())
+    return out
+
+
+__all__ = ["BLOCK", "C_SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]
