@@ -9,8 +9,10 @@ accuracy on Gemma than the table's own quantization. This kernel does neither:
   AVX512-BF16 ``vdpbf16ps`` (exact products, float32 sums); the row/group scale is applied
   once per group after the dot, and asymmetric rows subtract ``z * sum(x_group)`` first.
   The result is the reference ``x @ ((q - z) * s)^T`` up to float32 summation order.
-* every weight byte is read and decoded once per call whatever M is: a block of 16 rows is
-  decoded into an L1 scratch and every 16-row tile of activations runs over it.
+* every weight byte is read from memory once per call whatever M is: a block of 16 rows
+  stays in L1 while every tile of activations (16 rows per-row, 8 with groups) runs over
+  it, each decoding the column pairs in registers (cheaper here than storing a decoded
+  copy and reloading it).
 * activations are transposed once per call into bf16 pairs (exact), so each broadcast is
   one memory operand.
 
@@ -46,9 +48,6 @@ C_SOURCE = r"""#include <stdint.h>
    high = 2p+1, offset binary (u = q + 8) as stored. scales [NB][G][16] in their stored
    dtype (0 f32, 1 bf16, 2 f16); zero points [NB][G][16] int8 or NULL. */
 
-#define SEG 128 /* column pairs decoded at a time into the L1 scratch (16 rows x 256 columns) */
-#define MT 16   /* activation rows per register tile */
-
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const int32_t* xp; const float* xs;
     uint16_t* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind;
@@ -66,6 +65,10 @@ static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
     return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
 }
 
+static inline __m512i dec(const job_t* j, int64_t pair, __m512i tbl) {
+    return j->bits == 8 ? dec8((const int8_t*)j->w + pair * 32) : dec4(j->w + pair * 16, tbl);
+}
+
 static inline __m512 load_scale(const void* s, int kind, int64_t i) {
     if (kind == 0) return _mm512_loadu_ps((const float*)s + i);
     __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i));
@@ -73,56 +76,67 @@ static inline __m512 load_scale(const void* s, int kind, int64_t i) {
     return _mm512_cvtph_ps(h);
 }
 
-static inline __attribute__((always_inline)) void tile(
-        const int nm, const __m512i* scr, int64_t np, const int32_t* xp,
-        float* accb, float* outb, int first, int last, __m512 sv, __m512 zv, const float* xs, int64_t G) {
-    /* xp: activation pairs [np][16] (one 32-bit bf16 pair per activation row): one base
-       pointer, constant offsets, so every broadcast folds into vdpbf16ps' memory operand. */
-    enum { NA = 2 };  /* two accumulator sets (even/odd pairs) hide vdpbf16ps latency at small M */
-    __m512 acc[NA][MT];
-    for (int i = 0; i < nm; i++) {
-        acc[0][i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
-        acc[1][i] = _mm512_setzero_ps();
-    }
-    int64_t p = 0;
-    if (nm <= 8) {
-        for (; p + 1 < np; p += 2) {
-            __m512bh w0 = (__m512bh)_mm512_load_si512(scr + p), w1 = (__m512bh)_mm512_load_si512(scr + p + 1);
-            for (int i = 0; i < nm; i++) {
-                acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, (__m512bh)_mm512_set1_epi32(xp[p * 16 + i]));
-                acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, (__m512bh)_mm512_set1_epi32(xp[p * 16 + 16 + i]));
-            }
-        }
-    }
-    for (; p < np; p++) {
-        __m512bh wv = (__m512bh)_mm512_load_si512(scr + p);
-        for (int i = 0; i < nm; i++)
-            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], wv, (__m512bh)_mm512_set1_epi32(xp[p * 16 + i]));
-    }
-    for (int i = 0; i < nm; i++) acc[0][i] = _mm512_add_ps(acc[0][i], acc[1][i]);
-    if (last) {
-        for (int i = 0; i < nm; i++) {
-            __m512 t = acc[0][i];
-            if (xs) t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[i * G]), t);
-            _mm512_store_ps(outb + 16 * i, _mm512_fmadd_ps(t, sv, _mm512_load_ps(outb + 16 * i)));
-        }
-    } else {
-        for (int i = 0; i < nm; i++) _mm512_store_ps(accb + 16 * i, acc[0][i]);
-    }
+static inline __m512 load_zero(const int8_t* z, int64_t i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(z + i))));
 }
 
-#define T(n) case n: tile(n, scr, np, xp, accb, outb, first, last, sv, zv, xs, G); break;
-static void tile_any(int nm, const __m512i* scr, int64_t np, const int32_t* xp, float* accb,
-                     float* outb, int first, int last, __m512 sv, __m512 zv, const float* xs, int64_t G) {
-    switch (nm) { T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12) T(13) T(14) T(15) T(16) }
+#define DP(a, w, xv) _mm512_dpbf16_ps(a, (__m512bh)(w), (__m512bh)_mm512_set1_epi32(xv))
+
+/* nm (<= 8 with groups, <= 16 per row) activation rows over one block of 16 table rows:
+   each column pair of the block is decoded in registers (W) and used by all nm rows.
+   Decoding in registers measured faster than decoding once into an L1 scratch and
+   re-reading it (stores + reloads cost more than re-decoding for M/16 tiles).
+   xp: activation pairs [K/2][16]; the group's scale (and zero) applied after its dot;
+   two accumulator sets (even/odd pairs) hide vdpbf16ps latency when nm <= 8. */
+#define TILE_BODY(W)                                                                       \
+    enum { NA = 2 };                                                                       \
+    __m512 out[16], acc[NA][16];                                                           \
+    for (int i = 0; i < nm; i++) out[i] = _mm512_setzero_ps();                             \
+    for (int64_t gi = 0; gi < G; gi++) {                                                   \
+        for (int i = 0; i < nm; i++) { acc[0][i] = _mm512_setzero_ps(); acc[1][i] = _mm512_setzero_ps(); } \
+        const int64_t p0 = gi * P, p1 = p0 + P;                                            \
+        int64_t p = p0;                                                                    \
+        for (; nm <= 8 && p + 1 < p1; p += 2) {                                            \
+            __m512i w0 = W(p), w1 = W(p + 1);                                              \
+            for (int i = 0; i < nm; i++) {                                                 \
+                acc[0][i] = DP(acc[0][i], w0, xp[p * 16 + i]);                             \
+                acc[1][i] = DP(acc[1][i], w1, xp[p * 16 + 16 + i]);                        \
+            }                                                                              \
+        }                                                                                  \
+        for (; p < p1; p++) { __m512i w0 = W(p);                                           \
+            for (int i = 0; i < nm; i++) acc[0][i] = DP(acc[0][i], w0, xp[p * 16 + i]); }  \
+        __m512 sv = load_scale(j->s, j->skind, (nb * G + gi) * 16);                        \
+        __m512 zv = z ? load_zero(z, (nb * G + gi) * 16) : _mm512_setzero_ps();            \
+        for (int i = 0; i < nm; i++) {                                                     \
+            __m512 t = nm <= 8 ? _mm512_add_ps(acc[0][i], acc[1][i]) : acc[0][i];          \
+            if (z) t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[i * G + gi]), t);            \
+            out[i] = G == 1 ? _mm512_mul_ps(t, sv) : _mm512_fmadd_ps(t, sv, out[i]);       \
+        }                                                                                  \
+    }                                                                                      \
+    for (int i = 0; i < nm; i++)                                                           \
+        _mm256_mask_storeu_epi16(o + i * ldo, mk, (__m256i)_mm512_cvtneps_pbh(out[i]));
+
+#define W(p) dec(j, nb * KP + (p), tbl)
+
+static inline __attribute__((always_inline)) void tile(const int nm, const job_t* j, int64_t nb,
+        __m512i tbl, const int32_t* xp, const float* xs, uint16_t* o, __mmask16 mk) {
+    const int64_t G = j->G, P = j->g / 2, KP = j->K / 2, ldo = j->ldo; const int8_t* z = j->z;
+    TILE_BODY(W)
 }
+
+#define C(n) case n: tile(n, j, nb, tbl, xp, xs, o, mk); break;
+static void tile_any(int nm, const job_t* j, int64_t nb, __m512i tbl, const int32_t* xp,
+                            const float* xs, uint16_t* o, __mmask16 mk) {
+    switch (nm) { C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8) C(9) C(10) C(11) C(12) C(13) C(14) C(15) C(16) }
+}
+#undef C
+
 
 static void* run(void* arg) {
     job_t* j = (job_t*)arg;
-    const int64_t M = j->M, K = j->K, G = j->G, g = j->g, P = g / 2, KP = K / 2;
-    __m512i* scr = aligned_alloc(64, SEG * 64);
-    float* outb = aligned_alloc(64, M * 64);
-    float* accb = aligned_alloc(64, M * 64);
+    const int64_t M = j->M, KP = j->K / 2;
+    /* registers: groups keep 2 x nm accumulators + nm outputs, rows nm accumulators */
+    const int mt = j->G > 1 ? 8 : 16;
     __m512i tbl = _mm512_setzero_si512();
     if (j->bits == 4) {
         uint16_t t[32] = {0};
@@ -130,38 +144,25 @@ static void* run(void* arg) {
         tbl = _mm512_loadu_si512(t);
     }
     for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
-        memset(outb, 0, M * 64);
-        for (int64_t gi = 0; gi < G; gi++) {
-            __m512 sv = load_scale(j->s, j->skind, (nb * G + gi) * 16);
-            __m512 zv = _mm512_setzero_ps();
-            if (j->z) zv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + (nb * G + gi) * 16))));
-            for (int64_t p0 = 0; p0 < P; p0 += SEG) {
-                int64_t np = P - p0 < SEG ? P - p0 : SEG;
-                int64_t pair = nb * KP + gi * P + p0;
-                if (j->bits == 8) { const int8_t* w = (const int8_t*)j->w + pair * 32; for (int64_t p = 0; p < np; p++) scr[p] = dec8(w + 32 * p); }
-                else { const uint8_t* w = j->w + pair * 16; for (int64_t p = 0; p < np; p++) scr[p] = dec4(w + 16 * p, tbl); }
-                for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                    int nm = M - m0 < MT ? (int)(M - m0) : MT;
-                    tile_any(nm, scr, np, j->xp + ((m0 / MT) * KP + gi * P + p0) * 16, accb + m0 * 16, outb + m0 * 16,
-                             p0 == 0, p0 + np == P, sv, zv, j->xs ? j->xs + m0 * G + gi : NULL, G);
-                }
-            }
-        }
         int64_t r0 = nb * 16, nr = j->V - r0 < 16 ? j->V - r0 : 16;
         __mmask16 mk = (__mmask16)((1u << nr) - 1);
-        for (int64_t m = 0; m < M; m++)
-            _mm256_mask_storeu_epi16(j->out + m * j->ldo + r0, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(outb + 16 * m)));
+        for (int64_t m0 = 0; m0 < M; m0 += mt) {
+            int nm = M - m0 < mt ? (int)(M - m0) : mt;
+            /* activation pairs are packed in tiles of 16 rows: [M/16][K/2][16] */
+            const int32_t* xp = j->xp + ((m0 / 16) * KP) * 16 + (m0 % 16);
+            const float* xs = j->xs ? j->xs + m0 * j->G : NULL;
+            tile_any(nm, j, nb, tbl, xp, xs, j->out + m0 * j->ldo + r0, mk);
+        }
     }
-    free(scr); free(outb); free(accb);
     return NULL;
 }
 
 /* logits[M, V] (bf16, row stride ldo) = x[M, K] (bf16) @ dequant(W)^T, on nthreads threads. */
 int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
               int64_t g, const uint16_t* x, int64_t M, uint16_t* out, int64_t ldo, int nthreads) {
-    const int64_t G = K / g, NB = (V + 15) / 16;
+    const int64_t G = K / g, NB = (V + 15) / 16, KP = K / 2, MB = (M + 15) / 16;
     float* xs = NULL;
-    if (z) {
+    if (z) { /* per-group sums of the activations (asymmetric rows) */
         xs = malloc(M * G * sizeof(float));
         for (int64_t m = 0; m < M; m++)
             for (int64_t gi = 0; gi < G; gi++) {
@@ -171,24 +172,22 @@ int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int b
             }
     }
     /* Activations once per call: [M/16][K/2][16] bf16 pairs (a transpose, exact). */
-    const int64_t KP = K / 2, MB = (M + MT - 1) / MT;
     int32_t* xp = aligned_alloc(64, MB * KP * 64);
     const int32_t* x32 = (const int32_t*)x;
     for (int64_t mb = 0; mb < MB; mb++)
         for (int64_t p = 0; p < KP; p++)
-            for (int64_t i = 0; i < MT; i++) {
-                int64_t m = mb * MT + i;
-                xp[(mb * KP + p) * MT + i] = m < M ? x32[m * KP + p] : 0;
+            for (int64_t i = 0; i < 16; i++) {
+                int64_t m = mb * 16 + i;
+                xp[(mb * KP + p) * 16 + i] = m < M ? x32[m * KP + p] : 0;
             }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
-    job_t jobs[64]; pthread_t th[64];
     if (nthreads > 64) nthreads = 64;
+    job_t jobs[64]; pthread_t th[64]; int joined[64] = {0};
     for (int t = 0; t < nthreads; t++) {
         job_t jj = {w, s, z, xp, xs, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, bits, skind};
         jobs[t] = jj;
     }
-    int joined[64] = {0};
     for (int t = 1; t < nthreads; t++) joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
     run(&jobs[0]);
     for (int t = 1; t < nthreads; t++) { if (joined[t]) pthread_join(th[t], NULL); else run(&jobs[t]); }

@@ -231,3 +231,30 @@ def test_bias_and_empty_batch():
     b = torch.randn(1000, dtype=BF)
     assert torch.equal(p.linear(x, bias=b), p.linear(x) + b)
     assert p.linear(torch.empty(0, 256, dtype=BF)).shape == (0, 1000)
+
+
+def test_native_kernel_unavailable_falls_back_with_one_warning(monkeypatch):
+    """No compiler (or no AVX512-BF16): torch's layouts serve, one warning names why."""
+    fastpath._warned.clear()
+    monkeypatch.setattr(native_head, "_lib", False)
+    monkeypatch.setattr(native_head, "_reason", "native head kernel unavailable: no C compiler found")
+    qt = _table(8, None, True, 1000, 256)
+    with pytest.warns(RuntimeWarning, match="no C compiler found"):
+        p = PreparedTable.from_table(qt)
+    assert p.kind == "int8_row"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        PreparedTable.from_table(qt)
+    for x in _xs(256):
+        _check_linear(p, qt, x, _wabs(qt))
+
+
+def test_native_build_failure_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    """A compiler that fails: the kernel is unavailable with the compiler's message."""
+    monkeypatch.setattr(native_head, "_lib", None)
+    monkeypatch.setenv("EMBEDQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "cc"))
+    (tmp_path / "cc").write_text("#!/bin/sh\necho 'cc: error: broken' >&2\nexit 1\n")
+    (tmp_path / "cc").chmod(0o755)
+    assert "broken" in native_head.unavailable()
+    monkeypatch.setattr(native_head, "_lib", None)  # let later tests load the real one
