@@ -110,3 +110,27 @@ def test_bad_options_fail_when_the_recipe_is_built(captured, options, message):
     with pytest.raises(EmbedqError, match=message.replace("(", r"\(")):
         embedq.quantize("model", **options)
     assert not captured
+
+
+def test_compressed_tensors_format_takes_the_recipe(model_factory, tmp_path):
+    """``format="compressed-tensors"`` goes through the one writer and gets a stock config."""
+    import json
+    src = model_factory("llama_untied_sharded")
+    out = tmp_path / "ct"
+    report = embedq.quantize(src, 8, format="compressed-tensors", output=out, lm_head=True,
+                             head_bits=4, head_group_size=32, progress=False)
+    assert report.mode == "derived (compressed-tensors)"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    tied = model_factory("qwen2_tied")
+    with pytest.raises(EmbedqError, match="tied embeddings: stock vLLM"):
+        embedq.quantize(tied, format="compressed-tensors", output=tmp_path / "t", progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_ready_recipe_reaches_the_writer_unchanged(captured):
+    r = QuantizeRecipe.from_options(4, lm_head=True, progress=False)
+    embedq.quantize("model", recipe=r)
+    assert captured.pop() is r
+    with pytest.raises(TypeError, match="not both"):
+        embedq.quantize("model", 8, recipe=r)
