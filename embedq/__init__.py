@@ -21,11 +21,25 @@ from embedq.jobs.report import ModuleReport, Report
 from embedq.version import __version__
 
 
-def quantize(path, bits: int = 8, **kwargs) -> Report:
-    """Quantize a checkpoint's embedding (and head) into an overlay; see
-    :func:`embedq.jobs.quantize.quantize_checkpoint` for the options."""
+def quantize(path, bits: int | None = None, *, recipe=None, **options) -> Report:
+    """Quantize a checkpoint's embedding (and head) into an overlay.
+
+    The options are those of ``embedq quantize`` (``group_size``, ``symmetric``, ``method``,
+    ``lm_head``, ``head_bits``, ``targets``, ``output``, ``max_kld``, ...; see
+    :meth:`embedq.jobs.recipe.QuantizeRecipe.from_options`), or a ready ``recipe``
+    (:class:`embedq.jobs.recipe.QuantizeRecipe`). With ``max_kld`` / ``auto`` the scheme is
+    measured (:mod:`embedq.quality.select`); the selection is in ``report.extra["auto"]``.
+    """
+    from embedq.jobs.recipe import QuantizeRecipe
+    if recipe is None:
+        recipe = QuantizeRecipe.from_options(bits, **options)
+    elif bits is not None or options:
+        raise TypeError("embedq.quantize: pass a recipe or options, not both")
+    if recipe.search is not None:
+        from embedq.quality.select import quantize_auto
+        return quantize_auto(path, recipe)[0]
     from embedq.jobs.quantize import quantize_checkpoint
-    return quantize_checkpoint(path, bits, **kwargs)
+    return quantize_checkpoint(path, recipe)
 
 
 def inspect(path, revision: str | None = None) -> dict:

@@ -353,7 +353,8 @@ def stream_module(*a, **k):
     return orig(*a, **k)
 ov.stream_module = stream_module
 from embedq.jobs.quantize import quantize_checkpoint
-quantize_checkpoint(sys.argv[2], 8, force=True, progress=False)
+from embedq.jobs.recipe import QuantizeRecipe
+quantize_checkpoint(sys.argv[2], QuantizeRecipe.from_options(8, force=True, progress=False))
 print(f"{first[0] - t0:.3f} {time.time() - t0:.3f}")
 """
 

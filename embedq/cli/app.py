@@ -14,6 +14,11 @@ from embedq.cli import publish as publish_verbs
 from embedq.cli import quality as quality_verbs
 from embedq.cli.common import fail, run
 from embedq.errors import EmbedqError
+from embedq.format.scheme import DEFAULT_BITS, DEFAULT_SCHEMES
+
+# the defaults as help text, from the one table (embedq/format/scheme.py)
+_DEFAULT_GROUPS = ", ".join(f"{'per row' if g is None else g} for {b}-bit" for b, (g, _) in DEFAULT_SCHEMES.items())
+_DEFAULT_SYMMETRY = ", ".join(f"{'sym' if s else 'asym'} for {b}-bit" for b, (_, s) in DEFAULT_SCHEMES.items())
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Quantize embedding and lm_head tables into loadable overlays.")
@@ -22,9 +27,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.command()
 def quantize(
     model: Path = typer.Argument(..., help="HF checkpoint folder"),
-    bits: int = typer.Option(8, "--bits", help="4 or 8"),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Group size (default: per row for 8-bit, 32 for 4-bit; 0 = per row)"),
-    asym: bool = typer.Option(False, "--asym", help="Asymmetric (zero points)"),
+    bits: Optional[int] = typer.Option(None, "--bits", help=f"4 or 8 (default {DEFAULT_BITS})"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help=f"Group size (default: {_DEFAULT_GROUPS}; 0 = per row)"),
+    asym: Optional[bool] = typer.Option(None, "--asym/--sym", help=f"Asymmetric (zero points) or symmetric (default: {_DEFAULT_SYMMETRY})"),
     method: Optional[str] = typer.Option(None, "--method", help="rtn (default), mse, or gptq (head-aware, calibrated); see docs/methods.md"),
     max_kld: Optional[float] = typer.Option(None, "--max-kld", help="Choose the scheme: the smallest overlay whose KLD on a built-in sample is <= this"),
     auto: bool = typer.Option(False, "--auto", help="--max-kld 0.01"),
@@ -47,46 +52,27 @@ def quantize(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars"),
 ) -> None:
     """Quantize the embedding (and head) of MODEL into an overlay."""
-    from embedq.jobs.quantize import quantize_checkpoint
+    from embedq.jobs.recipe import QuantizeRecipe
     if trust_config and trust_tensors:
         fail(EmbedqError("--trust-config and --trust-tensors exclude each other"))
-    trust = "config" if trust_config else "tensors" if trust_tensors else None
-    if auto or max_kld is not None:
-        _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_group_size, fmt,
-                       lm_head=lm_head, targets=targets.split(",") if targets else None, trust=trust,
-                       output=output, overlay_only=overlay_only, force=force, scale_dtype=scale_dtype,
-                       chunk_rows=chunk_rows, progress=not (quiet or as_json), as_json=as_json)
+    recipe = run(QuantizeRecipe.from_options, bits, group_size=group_size,
+                 symmetric=None if asym is None else not asym, method=method,
+                 scale_dtype=scale_dtype, head_bits=head_bits, head_group_size=head_group_size,
+                 max_kld=max_kld, auto=auto, lm_head=lm_head,
+                 targets=targets.split(",") if targets else None,
+                 trust="config" if trust_config else "tensors" if trust_tensors else None,
+                 output=output, overlay_only=overlay_only, force=force, format=fmt,
+                 chunk_rows=chunk_rows, progress=not (quiet or as_json), base_model=base_model,
+                 base_revision=base_revision, eval_results=eval_file)
+    if recipe.search is not None:  # --max-kld / --auto: measured selection (embedq/quality/select.py)
+        from embedq.quality.select import quantize_auto
+        log = (lambda line: typer.echo(line, err=True)) if recipe.progress else None
+        report, sel = run(quantize_auto, model, recipe, log=log)
+        typer.echo(report.to_json() if as_json else sel.table() + "\n" + report.table())
         return
-    method = method or "rtn"
-    kwargs = dict(group_size=group_size, symmetric=not asym, method=method, lm_head=lm_head,
-                  head_bits=head_bits, head_group_size=head_group_size,
-                  targets=targets.split(",") if targets else None, output=output,
-                  overlay_only=overlay_only, force=force, trust=trust, scale_dtype=scale_dtype,
-                  chunk_rows=chunk_rows, progress=not (quiet or as_json))
-    if base_model or base_revision or eval_file:
-        kwargs.update(base_model=base_model, base_revision=base_revision, eval_results=eval_file)
-    if fmt == "compressed-tensors":
-        from embedq.jobs.compressed_tensors import quantize_compressed_tensors
-        report = run(quantize_compressed_tensors, model, bits, **kwargs)
-    elif fmt == "embedq":
-        report = run(quantize_checkpoint, model, bits, **kwargs)
-    else:
-        fail(EmbedqError(f"--format {fmt!r}: expected embedq or compressed-tensors"))
+    from embedq.jobs.quantize import quantize_checkpoint
+    report = run(quantize_checkpoint, model, recipe)
     typer.echo(report.to_json() if as_json else report.table())
-
-
-def _quantize_auto(model, max_kld, method, group_size, asym, head_bits, head_group_size, fmt, *,
-                   as_json: bool, **kwargs) -> None:
-    """``--max-kld`` / ``--auto``: measured scheme selection (embedq/quantize/select.py)."""
-    from embedq.quality.select import quantize_auto
-    if group_size is not None or asym or head_bits is not None or head_group_size is not None:
-        fail(EmbedqError("--max-kld/--auto choose bits, group size and symmetry; "
-                          "drop --group-size/--asym/--head-bits/--head-group-size"))
-    if fmt != "embedq":
-        fail(EmbedqError("--max-kld/--auto write the embedq format only"))
-    log = (lambda line: typer.echo(line, err=True)) if kwargs.get("progress") else None
-    report, sel = run(quantize_auto, model, max_kld, method=method, log=log, **kwargs)
-    typer.echo(report.to_json() if as_json else sel.table() + "\n" + report.table())
 
 
 @app.command()
@@ -119,7 +105,7 @@ def verify(model: Path, as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def demo(
     workdir: Optional[Path] = typer.Option(None, "--dir", help="Where to build the demo model"),
-    bits: int = typer.Option(8, "--bits"),
+    bits: Optional[int] = typer.Option(None, "--bits", help=f"4 or 8 (default {DEFAULT_BITS})"),
 ) -> None:
     """Build a small real transformers checkpoint locally, quantize it, print the table."""
     from embedq.cli.demo import run_demo

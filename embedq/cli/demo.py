@@ -20,14 +20,15 @@ def build_demo_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def run_demo(workdir: Path | None = None, bits: int = 8) -> Report:
+def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
     from embedq.jobs.quantize import quantize_checkpoint
+    from embedq.jobs.recipe import QuantizeRecipe
     from embedq.jobs.verify import verify_overlay
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="embedq-demo-"))
     model = base / "demo-model"
     if not (model / "config.json").exists():
         build_demo_model(model)
-    report = quantize_checkpoint(model, bits, force=True)
+    report = quantize_checkpoint(model, QuantizeRecipe.from_options(bits, force=True))
     verify_overlay(model)
     report.warnings.append(f"demo checkpoint: {model}")
     return report

@@ -64,18 +64,19 @@ def register(app: typer.Typer) -> None:
         ssm_dtype: str = typer.Option("auto", "--mamba-ssm-cache-dtype", help="vLLM's flag: auto "
                                       "(config's mamba_ssm_dtype for Qwen3.5, else model dtype), "
                                       "bfloat16, float16, float32"),
-        bits: int = typer.Option(8, "--bits", help="Without an overlay: the scheme to estimate"),
+        bits: Optional[int] = typer.Option(None, "--bits", help="Without an overlay: the scheme to estimate "
+                                           "(default: embedq quantize's)"),
         group_size: Optional[int] = typer.Option(None, "--group-size"),
-        asym: bool = typer.Option(False, "--asym"),
+        asym: Optional[bool] = typer.Option(None, "--asym/--sym"),
         as_json: bool = typer.Option(False, "--json", help="Print the plan (and vLLM's numbers) as JSON"),
     ) -> None:
         """KV-cache tokens that fit on a GPU with float tables vs the overlay (vLLM 0.33.0's rules)."""
         from embedq.capacity.plan import plan
-        if bits not in (4, 8):
+        if bits is not None and bits not in (4, 8):
             fail(EmbedqError(f"--bits {bits}: choose 4 or 8"))
         r = run(plan, model, gpu_mem, kv_dtype=kv_dtype, max_model_len=max_model_len,
                  gpu_memory_utilization=utilization, reserve=reserve, max_num_batched_tokens=batched,
-                 max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=not asym,
+                 max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=None if asym is None else not asym,
                  weights_gib=weights_gib, revision=revision, block_size=block_size,
                  prefix_caching=prefix_caching, async_scheduling=async_scheduling,
                  gdn_checkpoints=gdn_checkpoints, mamba_ssm_cache_dtype=ssm_dtype)

@@ -7,6 +7,12 @@ from dataclasses import asdict, dataclass
 from embedq.errors import SchemeError
 from embedq.format.constants import METHODS, ST_FLOAT_NAMES, SUPPORTED_BITS
 
+# The defaults of ``embedq quantize`` / ``embedq.quantize`` (and of the overlay ``inspect`` and
+# ``plan`` estimate), the one place to change them: bits when none is given, and per bits
+# ``(group_size (None: one scale per row), symmetric)`` when those are not given.
+DEFAULT_BITS = 8
+DEFAULT_SCHEMES: dict[int, tuple[int | None, bool]] = {8: (None, True), 4: (32, True)}
+DEFAULT_METHOD = "rtn"
 
 
 @dataclass(frozen=True)
@@ -37,13 +43,19 @@ class Scheme:
                               f"(expected one of {sorted(ST_FLOAT_NAMES.values())})")
 
     @classmethod
-    def default(cls, bits: int, symmetric: bool = True, group_size: int | None = None,
-                method: str = "rtn", scale_dtype: str | None = None) -> "Scheme":
-        """The documented defaults: 8-bit per row, 4-bit groups of 32."""
-        if group_size is None and bits == 4:
-            group_size = 32
+    def default(cls, bits: int | None = None, symmetric: bool | None = None,
+                group_size: int | None = None, method: str | None = None,
+                scale_dtype: str | None = None) -> "Scheme":
+        """A scheme with what is not given taken from :data:`DEFAULT_SCHEMES` (``group_size=0``:
+        explicitly one scale per row)."""
+        bits = DEFAULT_BITS if bits is None else bits
+        default_group, default_symmetric = DEFAULT_SCHEMES.get(bits, (None, True))
+        if group_size is None:
+            group_size = default_group
         if group_size == 0:  # explicit per-row request
             group_size = None
+        symmetric = default_symmetric if symmetric is None else symmetric
+        method = DEFAULT_METHOD if method is None else method
         return cls(bits=bits, symmetric=symmetric, group_size=group_size, method=method,
                    scale_dtype=scale_dtype)
 

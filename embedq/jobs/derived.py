@@ -22,6 +22,7 @@ from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
 from embedq.jobs.card import check_card_inputs, write_card
 from embedq.jobs.overlay import write_overlay
+from embedq.jobs.recipe import QuantizeRecipe
 from embedq.jobs.report import Report
 
 COPY_CHUNK = 64 << 20
@@ -53,14 +54,12 @@ def rewrite_shard_without(src: Path, dst: Path, drop: set[str]) -> dict[str, int
 
 
 def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
-                  base_qc: dict | None, output: Path, *, force: bool = False,
-                  overlay_only: bool = False, chunk_rows: int | None = None,
-                  progress: bool = True, base_model: str | None = None,
-                  base_revision: str | None = None, eval_results=None, calibration=None) -> Report:
-    """Build a derived checkpoint (or an overlay-only bundle) at ``output``."""
+                  base_qc: dict | None, recipe: QuantizeRecipe, calibration=None) -> Report:
+    """Build the derived checkpoint (or overlay-only bundle) ``recipe.output``."""
     # fail on bad card inputs before any work
-    eval_results = check_card_inputs(base_model, base_revision, eval_results)
-    output = check_output(ckpt.path, output, force)
+    eval_results = check_card_inputs(recipe.base_model, recipe.base_revision, recipe.eval_results)
+    output = check_output(ckpt.path, recipe.output, recipe.force)
+    overlay_only = recipe.overlay_only
     output.parent.mkdir(parents=True, exist_ok=True)
     check_writable(output.parent)
     stage = output.parent / f".{output.name}.{os.getpid()}.partial"
@@ -69,7 +68,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
     try:
         metadata = {"format": OVERLAY_FORMAT, "format_version": str(FORMAT_VERSION)}
         writer, entries, reports = write_overlay(ckpt, plans, stage / OVERLAY_NAME, metadata,
-                                                 chunk_rows, progress, calibration)
+                                                 recipe.chunk_rows, recipe.progress, calibration)
         writer.commit()
         qconfig = build_config(entries, tied, aliases, base_qc)
         parse_config(qconfig, str(output / QCONFIG_NAME))  # what readers will accept
@@ -94,8 +93,8 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
         report = Report(str(ckpt.path), "overlay-only" if overlay_only else "derived", reports, tied,
                         overlay=str(output / OVERLAY_NAME), output=str(output))
         # Inputs of the model card (embedq.jobs.card reads them from here).
-        report.extra.update({k: v for k, v in (("base_model", base_model),
-                                                ("base_revision", base_revision),
+        report.extra.update({k: v for k, v in (("base_model", recipe.base_model),
+                                                ("base_revision", recipe.base_revision),
                                                 ("eval", eval_results)) if v is not None})
         try:
             write_card(stage, ckpt, report, qconfig)

@@ -25,10 +25,10 @@ import torch
 
 from embedq.errors import EmbedqError
 from embedq.format.scheme import Scheme
+from embedq.jobs.recipe import AUTO_MAX_KLD, QuantizeRecipe
 
 SAMPLE_CONTEXTS = 4
 SAMPLE_LENGTH = 128
-AUTO_MAX_KLD = 0.01  # --auto: twice LOSSY_KLD (embedq.jobs.advice), a KLD users call near-lossless
 
 # (bits, group_size (None: per row), symmetric): tried in order of overlay bytes.
 CANDIDATES = [
@@ -210,27 +210,26 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
     return sel
 
 
-def quantize_auto(path: str | os.PathLike, max_kld: float | None = None, *, method: str | None = None,
-                  lm_head: bool = False, targets: list[str] | None = None, trust: str | None = None,
-                  progress: bool = True, log=None, **quantize_kwargs):
-    """Select a scheme with :func:`select_scheme`, then write its overlay.
+def quantize_auto(path: str | os.PathLike, recipe: QuantizeRecipe, *, log=None):
+    """Choose the scheme of ``recipe.search`` with :func:`select_scheme`, then write the
+    recipe with that scheme (:func:`embedq.jobs.quantize.quantize_checkpoint`).
 
-    Returns ``(report, selection)``. ``max_kld`` defaults to :data:`AUTO_MAX_KLD`.
+    Returns ``(report, selection)``.
     """
     from embedq.jobs.quantize import quantize_checkpoint
-    x = AUTO_MAX_KLD if max_kld is None else max_kld
-    sel = select_scheme(path, x, method=method, lm_head=lm_head, targets=targets, trust=trust,
-                        progress=progress, log=log)
+    search = recipe.search
+    x = search.max_kld
+    sel = select_scheme(path, x, method=search.method, lm_head=recipe.lm_head,
+                        targets=list(recipe.targets) if recipe.targets else None, trust=recipe.trust,
+                        progress=recipe.progress, log=log)
     if sel.chosen is None:
         best = min((t for t in sel.trials if t.mean_kld is not None), key=lambda t: t.mean_kld, default=None)
         hint = f"; the best candidate, {best.scheme}, measured {best.mean_kld:.5f}" if best else ""
         raise SelectError(f"no candidate scheme has mean KLD <= {x:g} on the sample{hint}")
     c = sel.chosen
-    cal = getattr(sel, "calibration", None)
-    report = quantize_checkpoint(path, c.bits, group_size=0 if c.group_size is None else c.group_size,
-                                 symmetric=c.symmetric, method=c.method, lm_head=lm_head,
-                                 targets=targets, trust=trust, progress=progress, calibration=cal,
-                                 **quantize_kwargs)
+    scheme = Scheme.default(c.bits, c.symmetric, 0 if c.group_size is None else c.group_size, c.method,
+                            search.scale_dtype)
+    report = quantize_checkpoint(path, recipe.chosen(scheme, getattr(sel, "calibration", None)))
     report.extra["auto"] = sel.to_dict()
     report.extra["auto"]["chosen"] = asdict(c)
     return report, sel

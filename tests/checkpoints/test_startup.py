@@ -20,7 +20,8 @@ if job == "inspect":
     src = d["targets_from"]
 else:
     from embedq.jobs.quantize import quantize_checkpoint
-    quantize_checkpoint(sys.argv[2], 8, progress=False)
+    from embedq.jobs.recipe import QuantizeRecipe
+    quantize_checkpoint(sys.argv[2], QuantizeRecipe.from_options(8, progress=False))
     src = None
 print(json.dumps({"source": src, "mods": sorted(m for m in ("torch", "transformers", "accelerate")
                                                 if m in sys.modules)}))

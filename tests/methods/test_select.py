@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from embedq.jobs.recipe import QuantizeRecipe
 from embedq.quality.select import (CANDIDATES, SelectError, overlay_bytes, quantize_auto,
                                     select_scheme)
 from tests.methods.test_headaware import _tokenizer
@@ -57,7 +58,7 @@ def test_threshold_orders_by_measured_kld(tied):
 
 def test_impossible_threshold_is_a_clear_error(tied):
     with pytest.raises(SelectError, match="no candidate scheme"):
-        quantize_auto(tied, 1e-15, method="rtn", progress=False)
+        quantize_auto(tied, QuantizeRecipe.from_options(max_kld=1e-15, method="rtn", progress=False))
     assert not (tied / "embedq.safetensors").exists()
     with pytest.raises(SelectError, match="positive"):
         select_scheme(tied, 0.0)

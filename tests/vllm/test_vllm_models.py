@@ -308,10 +308,10 @@ def test_compressed_tensors_format_loads_in_stock_vllm(builder, tmp_path):
     """``--format compressed-tensors`` (untied, symmetric): vLLM's own compressed-tensors
     method, no embedq code, loads the overlay bytes. (Its embedding forward is Triton-only
     and its WNA16 head needs vLLM's CPU or GPU kernels, so only loading is checked on CPU.)"""
-    from embedq.jobs.compressed_tensors import quantize_compressed_tensors
+    import embedq
     out = tmp_path / "ct"
-    quantize_compressed_tensors(str(builder.pristine("llama")), 8, output=str(out),
-                                lm_head=True, head_bits=4, head_group_size=32, progress=False)
+    embedq.quantize(str(builder.pristine("llama")), 8, format="compressed-tensors", output=str(out),
+                    lm_head=True, head_bits=4, head_group_size=32, progress=False)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc == ev.compressed_tensors_config(
         json.loads((out / "quantization_config.json").read_text()))

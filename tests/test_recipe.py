@@ -1,0 +1,136 @@
+"""One recipe per request: the command line and :func:`embedq.quantize` build the same
+:class:`QuantizeRecipe` for the same options, and the writers get it unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import embedq
+import embedq.jobs.quantize as jobs_quantize
+import embedq.quality.select as select
+from embedq.cli.app import app
+from embedq.errors import EmbedqError
+from embedq.format.scheme import DEFAULT_BITS, DEFAULT_SCHEMES, Scheme
+from embedq.jobs.recipe import QuantizeRecipe, SchemeSearch
+
+
+class _Report:
+    extra: dict = {}
+
+    def to_json(self) -> str:
+        return "{}"
+
+    def table(self) -> str:
+        return ""
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The recipes that reach the writer (nothing is written)."""
+    seen: list[QuantizeRecipe] = []
+
+    def quantize_checkpoint(path, recipe):
+        seen.append(recipe)
+        return _Report()
+
+    def quantize_auto(path, recipe, log=None):
+        seen.append(recipe)
+        return _Report(), _Report()
+
+    monkeypatch.setattr(jobs_quantize, "quantize_checkpoint", quantize_checkpoint)
+    monkeypatch.setattr(select, "quantize_auto", quantize_auto)
+    return seen
+
+
+def _cli(seen, *args) -> QuantizeRecipe:
+    r = CliRunner().invoke(app, ["quantize", "model", *args])
+    assert r.exit_code == 0, r.output
+    return seen.pop()
+
+
+CASES = [
+    ([], {}),
+    (["--bits", "4"], {"bits": 4}),
+    (["--bits", "4", "--group-size", "64", "--asym", "--method", "mse", "--lm-head", "--head-bits", "8",
+      "--targets", "model.embed_tokens.weight,lm_head.weight", "--output", "out", "--overlay-only",
+      "--force", "--trust-tensors", "--scale-dtype", "float32", "--chunk-rows", "256", "-q"],
+     {"bits": 4, "group_size": 64, "symmetric": False, "method": "mse", "lm_head": True, "head_bits": 8,
+      "targets": ["model.embed_tokens.weight", "lm_head.weight"], "output": "out", "overlay_only": True,
+      "force": True, "trust": "tensors", "scale_dtype": "float32", "chunk_rows": 256, "progress": False}),
+    (["--bits", "8", "--group-size", "0", "--head-group-size", "32", "--format", "compressed-tensors",
+      "-o", "ct", "--base-model", "org/m", "--base-revision", "main", "--eval", "eval.json", "--json"],
+     {"bits": 8, "group_size": 0, "head_group_size": 32, "format": "compressed-tensors", "output": Path("ct"),
+      "base_model": "org/m", "base_revision": "main", "eval_results": Path("eval.json"), "progress": False}),
+    (["--auto"], {"auto": True}),
+    (["--max-kld", "0.02", "--method", "rtn", "--lm-head", "--scale-dtype", "float16"],
+     {"max_kld": 0.02, "method": "rtn", "lm_head": True, "scale_dtype": "float16"}),
+]
+
+
+@pytest.mark.parametrize("args,options", CASES, ids=lambda c: " ".join(c) if isinstance(c, list) else None)
+def test_cli_and_api_build_the_same_recipe(captured, args, options):
+    from_cli = _cli(captured, *args)
+    embedq.quantize("model", **options)
+    from_api = captured.pop()
+    assert from_cli == from_api
+    assert from_api == QuantizeRecipe.from_options(**options)
+
+
+def test_defaults_come_from_the_one_table(captured):
+    r = _cli(captured)
+    group, symmetric = DEFAULT_SCHEMES[DEFAULT_BITS]
+    assert r.scheme == Scheme(bits=DEFAULT_BITS, group_size=group, symmetric=symmetric)
+    assert r.head_scheme is None and r.search is None and r == QuantizeRecipe()
+    for bits, (group, symmetric) in DEFAULT_SCHEMES.items():
+        s = QuantizeRecipe.from_options(bits).scheme
+        assert (s.bits, s.group_size, s.symmetric, s.method) == (bits, group, symmetric, "rtn")
+    assert QuantizeRecipe.from_options(auto=True).search == SchemeSearch()
+
+
+def test_head_scheme_falls_back_to_the_table():
+    r = QuantizeRecipe.from_options(4, group_size=64, symmetric=False, lm_head=True, head_bits=4)
+    assert r.head_scheme == Scheme(bits=4, group_size=64, symmetric=False)
+    r = QuantizeRecipe.from_options(4, lm_head=True, head_bits=8)  # other bits: their defaults
+    assert r.head_scheme == Scheme.default(8, symmetric=True)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"auto": True, "group_size": 32}, "--max-kld/--auto choose bits"),
+    ({"max_kld": 0.1, "format": "compressed-tensors", "output": "x"}, "embedq format only"),
+    ({"format": "gguf"}, "--format 'gguf'"),
+    ({"format": "compressed-tensors"}, "pass --output DIR"),
+    ({"format": "compressed-tensors", "output": "x", "symmetric": False}, "drop --asym"),
+    ({"chunk_rows": 0}, "--chunk-rows 0"),
+    ({"bits": 3}, "--bits 3"),
+])
+def test_bad_options_fail_when_the_recipe_is_built(captured, options, message):
+    with pytest.raises(EmbedqError, match=message.replace("(", r"\(")):
+        embedq.quantize("model", **options)
+    assert not captured
+
+
+def test_compressed_tensors_format_takes_the_recipe(model_factory, tmp_path):
+    """``format="compressed-tensors"`` goes through the one writer and gets a stock config."""
+    import json
+    src = model_factory("llama_untied_sharded")
+    out = tmp_path / "ct"
+    report = embedq.quantize(src, 8, format="compressed-tensors", output=out, lm_head=True,
+                             head_bits=4, head_group_size=32, progress=False)
+    assert report.mode == "derived (compressed-tensors)"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    tied = model_factory("qwen2_tied")
+    with pytest.raises(EmbedqError, match="tied embeddings: stock vLLM"):
+        embedq.quantize(tied, format="compressed-tensors", output=tmp_path / "t", progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_ready_recipe_reaches_the_writer_unchanged(captured):
+    r = QuantizeRecipe.from_options(4, lm_head=True, progress=False)
+    embedq.quantize("model", recipe=r)
+    assert captured.pop() is r
+    with pytest.raises(TypeError, match="not both"):
+        embedq.quantize("model", 8, recipe=r)
