@@ -258,3 +258,11 @@ def test_native_build_failure_is_a_reason_not_an_error(monkeypatch, tmp_path):
     (tmp_path / "cc").chmod(0o755)
     assert "broken" in native_head.unavailable()
     monkeypatch.setattr(native_head, "_lib", None)  # let later tests load the real one
+
+
+def test_docs_show_the_dispatch_table():
+    """docs/vllm.md prints the one dispatch table as it is."""
+    from pathlib import Path
+    from embedq.kernels import dispatch
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    assert dispatch.table_markdown() in doc
