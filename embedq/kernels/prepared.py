@@ -26,6 +26,11 @@ Paths (``PreparedTable.kind``), chosen at prepare time:
   (``_convert_weight_to_int4pack_for_cpu``) with a ``[groups, rows, 2]`` scale/zero
   tensor in the prepared ``dtype``; ``_weight_int4pack_mm_for_cpu``. Per-row and
   groups larger than 256 are expressed as groups the op supports (scales repeated).
+* ``triton``     CUDA with Triton installed (or forced on CPU tensors by
+  ``EMBEDQ_SERVE_KERNEL=triton``, for ``TRITON_INTERPRET=1``): the on-disk layout kept
+  as is (packed int32, scales, int8 zero points), read by the kernels of
+  :mod:`embedq.kernels.triton_head` for both logits and gathers. A CUDA table without
+  Triton, or a shape it does not take, falls to the rows below with a one-time warning.
 * ``chunked``    anything else: the on-disk layout, dequantized a bounded chunk of rows
   at a time (the reference arithmetic). Chosen with a one-time warning naming why:
   4-bit on CUDA (tinygemm ``_weight_int4pack_mm``/Triton not wired yet), int8 with
@@ -57,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32, unpack_zero_points
+from embedq.kernels import triton_head
 
 # Elements of table decoded per chunk (fallback logits, and conversion at load).
 CHUNK_ELEMS = 1 << 22
@@ -196,6 +202,9 @@ class PreparedTable:
     def _fast_kind(self) -> str | None:
         """Set ``self.kind`` to the fast path for this scheme/device; else return why not."""
         K, g, dev = self.cols, self.group, self.device
+        if self._triton_why() is None:
+            self.kind = "triton"
+            return None
         if self.bits == 8:
             if K % 16 or g % 16:
                 # torch's int8 kernel steps 16 columns at a time with aligned loads
@@ -208,7 +217,7 @@ class PreparedTable:
             return None
         # 4 bits
         if dev.type == "cuda":
-            return "4-bit on CUDA (tinygemm/Triton path not wired yet)"
+            return "4-bit on CUDA without the Triton kernels"
         if not _is_cpu(dev):
             return f"device {dev.type}"
         if _int4_layout() is None:
@@ -224,6 +233,16 @@ class PreparedTable:
         self.kgroup = kg
         return None
 
+    def _triton_why(self) -> str | None:
+        """None: serve with the Triton kernels (CUDA, or CPU forced by EMBEDQ_SERVE_KERNEL)."""
+        if self.device.type != "cuda" and not triton_head.forced():
+            return "not CUDA"  # the CPU kernels are the plan there: no warning
+        why = (triton_head.available(self.device)
+               or triton_head.unsupported(self.bits, self.group_size, self.cols))
+        if why is not None:
+            _warn_once(f"Triton kernels not used: {why}")
+        return why
+
     def _prepare_chunked(self, packed, scale, zero_point, why: str) -> None:
         self.kind = "chunked"
         self.reason = why
@@ -236,6 +255,11 @@ class PreparedTable:
 
     def _prepare_fast(self, packed, scale, zero_point) -> None:
         dev, N, K = self.device, self.rows, self.cols
+        if self.kind == "triton":  # the stored layout, as is
+            self.packed = packed.to(dev).contiguous()
+            self.scale = scale.to(dev).contiguous()
+            self.zp = None if zero_point is None else zero_point.to(device=dev, dtype=torch.int8).contiguous()
+            return
         step = max(_ROW_ALIGN, (CHUNK_ELEMS // K) // _ROW_ALIGN * _ROW_ALIGN)
         if self.kind in ("int8_row", "int8_group"):
             G, g = self.groups, self.group
@@ -319,7 +343,8 @@ class PreparedTable:
     def nbytes(self) -> int:
         """Bytes held (codes, scales, zero points; int4 includes its row padding)."""
         names = {"int8_row": ("w8", "scale", "zp"), "int8_group": ("w8", "scale", "zp"),
-                 "int4_cpu": ("w4", "sz"), "chunked": ("packed", "scale", "zp")}[self.kind]
+                 "int4_cpu": ("w4", "sz"), "chunked": ("packed", "scale", "zp"),
+                 "triton": ("packed", "scale", "zp")}[self.kind]
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in names) if t is not None)
 
     def describe(self) -> str:
@@ -395,6 +420,10 @@ class PreparedTable:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantized rows for token ids of any shape: [..., cols] in ``dtype`` (default: ``self.dtype``)."""
         dtype = self.dtype if dtype is None else dtype
+        if self.kind == "triton":
+            out = self._triton_call(triton_head.gather, ids.to(self.device), dtype=dtype)
+            if out is not None:
+                return out
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
         out = torch.empty(flat.numel(), self.cols, dtype=dtype, device=self.device)
         step = max(1, CHUNK_ELEMS // self.cols)
@@ -426,13 +455,31 @@ class PreparedTable:
 
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.kind
-        if kind == "chunked" or not self._kernel_ok(x):
+        if kind == "triton" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            out = self._triton_call(triton_head.logits, x)
+            if out is not None:
+                return out
+        if kind in ("chunked", "triton") or not self._kernel_ok(x):
             return self._linear_chunked(x)
         if kind == "int8_row":
             return self._linear_int8_row(x)
         if kind == "int8_group":
             return self._linear_int8_group(x)
         return self._linear_int4_cpu(x)
+
+    def _triton_call(self, fn, a: torch.Tensor, **kw):
+        """``fn`` of :mod:`triton_head` on this table; None (warned once) if it fails to run,
+        unless ``EMBEDQ_SERVE_KERNEL=triton`` forces it (then the error propagates)."""
+        try:
+            return fn(a, self.packed, self.scale, self.zp, bits=self.bits,
+                      group_size=self.group_size, cols=self.cols, **kw)
+        except Exception as e:  # a Triton compile/launch failure on this GPU/driver
+            if triton_head.forced():
+                raise
+            self.reason = f"Triton kernel {fn.__name__} failed on {a.device} ({type(e).__name__}: {e})"
+            _warn_once(f"{self.reason}; using chunked dequantization")
+            self.kind = "chunked"  # same stored layout: the fallback reads it as is
+            return None
 
     @staticmethod
     def _aligned(x: torch.Tensor) -> torch.Tensor:
