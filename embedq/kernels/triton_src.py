@@ -36,7 +36,7 @@ def logits_kernel(x_ptr, w_ptr, s_ptr, z_ptr, o_ptr, M, V, K, NW,
     w_rows = w_ptr + rows[:, None] * swn
     kk = tl.arange(0, BK)
     kw = tl.arange(0, BW)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, tl.float32)
     if PER_ROW:
         if HAS_ZP:
             z = tl.load(z_ptr + rows * ssn, mask=mn, other=0).to(tl.int32)
@@ -56,7 +56,7 @@ def logits_kernel(x_ptr, w_ptr, s_ptr, z_ptr, o_ptr, M, V, K, NW,
         acc = acc * s[None, :]
     else:
         for gi in range(0, K // GROUP):
-            part = tl.zeros((BM, BN), dtype=tl.float32)
+            part = tl.full((BM, BN), 0.0, tl.float32)
             if HAS_ZP:
                 z = tl.load(z_ptr + rows * ssn + gi, mask=mn, other=0).to(tl.int32)
             for k1 in range(0, GROUP, BK):
