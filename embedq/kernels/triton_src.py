@@ -1,7 +1,10 @@
 """The jitted Triton kernels of :mod:`embedq.kernels.triton_head` (imports triton: load lazily).
 
 Module level because Triton resolves a kernel's helpers through its globals. Layout and
-arithmetic: see :mod:`embedq.kernels.triton_head`.
+arithmetic: see :mod:`embedq.kernels.triton_head`. Only ``tl`` builtins are used (``tl.full``,
+not ``tl.zeros``): helpers of triton.language that are themselves ``@triton.jit`` functions
+were decorated when triton was imported, and break the interpreter when that import came
+before ``TRITON_INTERPRET=1`` was set (vLLM imports triton early).
 """
 
 import triton

@@ -45,8 +45,8 @@ V = 1000  # not a multiple of any BN (64, 128)
 
 
 def _cols(g: int | None) -> int:
-    # per row: 200 is not a multiple of BK (64, 128); groups: 3 (odd) groups, <= 256 columns
-    return 200 if g is None else (3 * g if 3 * g <= 256 else g)
+    # per row: 200 is not a multiple of BK (64, 128); groups: 3 (odd) groups
+    return 200 if g is None else 3 * g
 
 
 def _sid(s):
