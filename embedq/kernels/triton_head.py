@@ -16,8 +16,11 @@ buffer: one resident table, no repacked copy.
 * :func:`gather` rows by token id: ``(q - zp) * s`` in float32, cast to the output dtype
   (bit-exact to :func:`embedq.format.codec.dequantize_codes`).
 
-Launch configs (fixed, no autotuning; chosen from the usual Triton GEMM shapes, NOT tuned
-on a GPU: none was available when they were written): see :data:`CONFIGS`.
+Launch configs (fixed, no autotuning): :data:`CONFIGS` by M range; with groups, BK is the
+largest power of two <= the config's BK dividing the group size (one ``tl.dot`` per group
+slice; groups must be multiples of 16, :func:`unsupported`). The configs are the usual
+Triton GEMM shapes, NOT tuned: no GPU was available when they were written, and no GPU
+time has been measured. Activations: bf16/fp16 (float32 runs an IEEE fp32 dot: slow).
 
 Triton is imported lazily (CPU installs do not have it). Under ``TRITON_INTERPRET=1``
 (numpy-backed, CPU tensors) the same kernels run for tests, with the interpreter's known
