@@ -227,13 +227,15 @@ def bench_head(args) -> list[dict]:
             raise SystemExit(f"bench_gpu: {shape} {sname} is served by {p.describe()}, not Triton")
         V, H = qt.shape
         print(f"\n== head {shape} {V} x {H} {sname}: {p.describe()}, {p.nbytes / 2**20:.1f} MiB "
-              f"(bf16 {V * H * 2 / 2**20:.1f} MiB); load avg {load()}", flush=True)
+              f"(bf16 {V * H * 2 / 2**20:.1f} MiB); activations {str(dtype)[6:]}; load avg {load()}", flush=True)
+        w32 = qt.dequantize(torch.float32).to(device)  # the reference decoder's table, once
         for m in args.batches:
             x = torch.randn(m, H, device=device).to(dtype)
             with torch.inference_mode():
                 got = p.linear(x).float()
-                ref = x.float() @ qt.dequantize(torch.float32).to(device).t()
+                ref = x.float() @ w32.t()
                 rel = ((got - ref).norm() / ref.norm()).item()
+                del got, ref
                 fns = {"bf16": lambda x=x, w=w: F.linear(x, w), "triton": lambda x=x: p.linear(x)}
                 if not args.no_dequant:
                     fns["dequant"] = lambda x=x: F.linear(x, p.dequantize_range(0, V, dtype))
@@ -252,7 +254,7 @@ def bench_head(args) -> list[dict]:
                 rows_out.append(dict(section="head", shape=shape, rows=V, cols=H, scheme=sname, batch=m,
                                      path=k, median_ms=med * 1e3, ratio_vs_bf16=med / base, n=len(ts),
                                      reps=args.reps, rel_error=rel, target=tgt, dry_run=args.dry_run))
-        del p, qt
+        del p, qt, w32
     return rows_out
 
 
