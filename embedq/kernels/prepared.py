@@ -18,8 +18,12 @@ table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype 
   x86-64 CPUs with AVX512-BF16: codes converted to bf16 once per call, exact products,
   scales after the dot, each weight byte read once per call at every M. The gather reads
   the same blocked layout. The default on such CPUs; the rows below are its fallbacks.
-* ``triton``     CUDA (or ``EMBEDQ_SERVE_KERNEL=triton``): Triton kernels over the stored
-  layout (:mod:`embedq.kernels.triton_head`, when present).
+* ``triton``     CUDA with Triton installed (or forced on CPU tensors by
+  ``EMBEDQ_SERVE_KERNEL=triton``, for ``TRITON_INTERPRET=1``): the on-disk layout kept
+  as is (packed int32, scales, int8 zero points), read by the kernels of
+  :mod:`embedq.kernels.triton_head` for both logits and gathers. A CUDA table without
+  Triton, or a shape it does not take, falls to the rows below with a one-time warning;
+  a compile/launch failure warns once and switches the table to chunked (same layout).
 * ``int8_row``   8-bit, one scale per row: int8 codes [rows, cols]. CPU bf16 activations:
   ``torch._weight_int8pack_mm``; asymmetric adds the per-row correction
   ``- s*z*sum(x)``. CUDA: the same op, bf16/fp16 (UNTESTED: no GPU here; an error
@@ -64,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32, unpack_zero_points
-from embedq.kernels import dispatch, native_head
+from embedq.kernels import dispatch, native_head, triton_head
 
 # Elements of table decoded per chunk (fallback logits, and conversion at load).
 CHUNK_ELEMS = 1 << 22
@@ -198,10 +202,8 @@ class PreparedTable:
             self._prepare_chunked(packed, scale, zero_point, "requested")
             return self
         layout, refused = dispatch.choose_layout(self, self._check)
-        if refused and (layout == "chunked" or dispatch.forced()):
-            _warn_once("; ".join(refused))
-        elif refused and self.device.type == "cpu" and layout != "native":
-            _warn_once(f"{refused[0]}; using {layout}")
+        if refused:  # a better layout for this device could not hold the table
+            _warn_once(f"{'; '.join(refused)}; using {layout}")
         self.kind = layout
         if layout == "chunked":
             self._prepare_chunked(packed, scale, zero_point, "; ".join(refused) or "no kernel")
@@ -225,11 +227,7 @@ class PreparedTable:
                 return f"device {dev.type}"
             return native_head.unavailable() or native_head.supports(self.bits, K, g, self.scale_dtype)
         if layout == "triton":
-            try:
-                from embedq.kernels import triton_head
-            except ImportError as e:
-                return f"no Triton kernels ({e})"
-            return triton_head.available(dev)
+            return triton_head.available(dev) or triton_head.unsupported(self.bits, self.group_size, K)
         if layout in ("int8_row", "int8_group"):
             if K % 16 or g % 16:
                 # torch's int8 kernel steps 16 columns at a time with aligned loads
@@ -442,6 +440,10 @@ class PreparedTable:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantized rows for token ids of any shape: [..., cols] in ``dtype`` (default: ``self.dtype``)."""
         dtype = self.dtype if dtype is None else dtype
+        if self.kind == "triton":
+            out = self._triton_call(triton_head.gather, ids.to(self.device), dtype=dtype)
+            if out is not None:
+                return out
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
         out = torch.empty(flat.numel(), self.cols, dtype=dtype, device=self.device)
         step = max(1, CHUNK_ELEMS // self.cols)
@@ -471,9 +473,22 @@ class PreparedTable:
         return native_head.head(self.w, self.s, self.z, self.bits, self.rows, self.cols, self.group, x)
 
     def _linear_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from embedq.kernels import triton_head
-        return triton_head.logits(x, self.packed, self.scale, self.zp, bits=self.bits,
-                                  group_size=self.group_size, cols=self.cols)
+        out = self._triton_call(triton_head.logits, x)
+        return self._linear_chunked(x) if out is None else out
+
+    def _triton_call(self, fn, a: torch.Tensor, **kw):
+        """``fn`` of :mod:`triton_head` on this table; None (warned once) if it fails to run,
+        unless ``EMBEDQ_SERVE_KERNEL=triton`` forces it (then the error propagates)."""
+        try:
+            return fn(a, self.packed, self.scale, self.zp, bits=self.bits,
+                      group_size=self.group_size, cols=self.cols, **kw)
+        except Exception as e:  # a Triton compile/launch failure on this GPU/driver
+            if triton_head.forced():
+                raise
+            self.reason = f"Triton kernel {fn.__name__} failed on {a.device} ({type(e).__name__}: {e})"
+            _warn_once(f"{self.reason}; using chunked dequantization")
+            self.kind = "chunked"  # same stored layout: the fallback reads it as is
+            return None
 
     @staticmethod
     def _aligned(x: torch.Tensor) -> torch.Tensor:
