@@ -169,7 +169,7 @@ def bench_head(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 # Whole-model sections: Gemma 3 270M, float vs int8 (per row) vs Q4 g32.
 
-MODELS = {"float": None, "int8": dict(bits=8), "int8g64": dict(bits=8, group_size=64),
+MODELS = {"float": None, "int8": dict(bits=8, group_size=0), "int8g64": dict(bits=8, group_size=64),
           "q4g32": dict(bits=4, group_size=32)}
 PROMPT = [2, 651, 6037, 529, 9405, 563, 496, 3207]  # <bos> + 7 tokens (any ids will do)
 
