@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from embedq.errors import EvalError, SchemeError
+from embedq.format.checkpoint import check_folder_reads
 from embedq.format.constants import QUANT_METHOD
+from embedq.format.files import inside
 from embedq.quant.gptq import DEFAULT_DAMP, Calibration
 
 CALIB_CONTEXTS = 48
@@ -96,6 +98,7 @@ def quiet_transformers():
 def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str | None = None):
     """The float model: the checkpoint loaded with its embedq quantization_config removed."""
     import transformers
+    check_folder_reads(reference)
     cfg = transformers.AutoConfig.from_pretrained(str(reference))
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         qc = getattr(c, "quantization_config", None)
@@ -115,6 +118,7 @@ def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str
 
 def load_tokenizer(folder: Path):
     import transformers
+    check_folder_reads(folder)
     try:
         with quiet_transformers():
             return transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -157,10 +161,14 @@ def text_contexts(tokenizer, text: str, contexts: int, length: int, bos: int | N
 
 def config_bos(p: Path) -> int | None:
     try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = json.loads(inside(p, "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return None
-    return (cfg.get("text_config") or {}).get("bos_token_id", cfg.get("bos_token_id"))
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    bos = (text if isinstance(text, dict) else {}).get("bos_token_id", cfg.get("bos_token_id"))
+    return bos if type(bos) is int and bos >= 0 else None
 
 def default_calibration_text() -> tuple[str, str]:
     """(text, description): docstrings of :data:`CALIB_MODULES`, in a fixed order."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from embedq.errors import EmbedqError
 from embedq.format.checkpoint import QCONFIG_NAME, read_json
+from embedq.format.files import stays_inside
 from embedq.format.files import write_bytes_atomic
 
 CARD_NAME = "README.md"
@@ -120,6 +121,8 @@ def read_source_card(path: Path) -> tuple[dict, str | None]:
     f = Path(path) / CARD_NAME
     if not f.is_file():
         return {}, None
+    if not stays_inside(path, f):
+        return {}, f"{f}: a link out of the folder; not read, license not copied"
     try:
         from huggingface_hub import ModelCard
         import logging

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from embedq.errors import OverlayError
+from embedq.errors import EmbedqError, OverlayError, UnsafePathError
 from embedq.format.checkpoint import INDEX_NAME, Checkpoint
 from embedq.format.config import ModuleEntry
 from embedq.format.reader import load_overlay
@@ -77,8 +77,10 @@ def verify_overlay(path: str | os.PathLike) -> Report:
                     raise OverlayError(f"{file}: tensor {tname} does not match its recorded checksum")
     try:
         ckpt = Checkpoint.open(p)
-    except Exception:
-        ckpt = None
+    except UnsafePathError:
+        raise  # a folder naming files outside itself is refused, not checked half
+    except EmbedqError:
+        ckpt = None  # an overlay-only bundle: no source tables here
     if ckpt is not None and ckpt.index is not None:
         declared = cfg.tensors()
         wm = ckpt.index.get("weight_map") or {}

@@ -9,7 +9,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from embedq.errors import EmbedqError
+from embedq.errors import EmbedqError, UnsafePathError
+from embedq.format.files import inside
 
 
 MS_DOMAIN = "com.microsoft"
@@ -188,24 +189,18 @@ def external_data(proto, base_dir: Path, model_path: Path | None = None) -> tupl
     """(file, offset, length or None) of a tensor's external data, refused unless safe.
 
     As onnx's checker requires, ``location`` must be a relative path that stays inside
-    the model's folder (no absolute path, no ``..`` out of it, no symlink leading out):
-    a model file must not make embedq read, or copy into its output, arbitrary files.
+    the model's folder (:func:`embedq.format.files.inside`: no absolute path, no ``..``,
+    no link leading out but into a Hugging Face cache's ``blobs/``): a model file must
+    not make embedq read, or copy into its output, arbitrary files.
     """
     info = {e.key: e.value for e in proto.external_data}
     where = f"{model_path or base_dir}: initializer {proto.name!r}"
     loc = info.get("location", "")
-    base = Path(base_dir).resolve()
-    bad = (not loc or "\0" in loc or os.path.isabs(loc) or loc.startswith(("/", "\\"))
-           or (len(loc) > 1 and loc[1] == ":"))  # a Windows drive is absolute too
-    path = base / loc
-    if not bad:
-        try:
-            path.resolve().relative_to(base)
-        except ValueError:
-            bad = True
-    if bad:
+    try:
+        path = inside(base_dir, loc)
+    except UnsafePathError:
         raise OnnxError(f"{where}: external data location {loc!r} is not a relative path inside "
-                        f"the model's folder {base}; refusing to read it")
+                        f"the model's folder {Path(base_dir).resolve()}; refusing to read it") from None
     path = path.resolve()
     if not path.is_file():
         raise OnnxError(f"{where}: external data file {path} is missing")

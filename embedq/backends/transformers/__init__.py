@@ -33,6 +33,8 @@ from embedq.backends.transformers.modules import (PackedTable, QuantizedEmbeddin
                                                   resolve_targets)
 from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, QUANT_METHOD
+from embedq.format.checkpoint import check_folder_reads
+from embedq.format.files import inside
 from embedq.format.reader import read_overlay_config
 
 
@@ -64,6 +66,7 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     if not p.is_dir():
         raise OverlayError(f"{p}: no such checkpoint folder")
     read_overlay_config(p)  # clear error when there is no overlay
+    check_folder_reads(p)  # transformers reads the folder by itself: nothing outside it
     register()
     import transformers
     if model_class is None:
@@ -92,8 +95,8 @@ def _architecture_class(p: Path):
     transformers class, e.g. remote code; the auto classes decide then)."""
     import transformers
     try:
-        arch = json.loads((p / CONFIG_NAME).read_text()).get("architectures")
-    except (OSError, ValueError):
+        arch = json.loads(inside(p, CONFIG_NAME).read_text()).get("architectures")
+    except (OSError, ValueError, RecursionError, AttributeError):
         return None
     if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
         return None
@@ -103,8 +106,8 @@ def _architecture_class(p: Path):
 
 def _config_quantization(p: Path) -> dict | None:
     try:
-        qc = json.loads((p / CONFIG_NAME).read_text()).get("quantization_config")
-    except (OSError, ValueError):
+        qc = json.loads(inside(p, CONFIG_NAME).read_text()).get("quantization_config")
+    except (OSError, ValueError, RecursionError, AttributeError):
         return None
     return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
 
