@@ -32,6 +32,31 @@ def read_json(path: Path) -> dict:
     return data
 
 
+# Types of the config.json fields embedq reads itself (and of text_config's): a config
+# holding another type is refused here, once, instead of failing wherever it is read.
+CONFIG_TYPES = {"quantization_config": dict, "tie_word_embeddings": bool, "text_config": dict,
+                "architectures": list, "model_type": str, "vocab_size": int, "hidden_size": int,
+                "num_hidden_layers": int}
+
+
+def check_config(config: dict, where: str) -> dict:
+    """Refuse a config.json whose fields embedq reads have the wrong type."""
+    tc = config.get("text_config")
+    for cfg, at in ((config, ""), (tc if isinstance(tc, dict) else {}, "text_config.")):
+        for k, t in CONFIG_TYPES.items():
+            v = cfg.get(k)
+            if v is None:
+                continue
+            ok = isinstance(v, t) and not (t is int and (isinstance(v, bool) or v < 0))
+            if k == "architectures":
+                ok = ok and all(isinstance(a, str) for a in v)
+            if not ok:
+                want = {"dict": "an object", "bool": "true or false", "list": "a list of class names",
+                        "str": "a string", "int": "a non-negative integer"}[t.__name__]
+                raise CheckpointError(f"{where}: {at}{k} is {json.dumps(v)[:60]}, expected {want}")
+    return config
+
+
 def read_folder_json(folder: Path, name: str) -> dict:
     """:func:`read_json` of ``folder/name``, a file the folder must hold (:func:`inside`)."""
     return read_json(inside(folder, name))
@@ -66,6 +91,16 @@ def check_folder_reads(folder: str | os.PathLike) -> None:
     check_links(p)
     if (p / INDEX_NAME).is_file():
         index_weight_map(read_folder_json(p, INDEX_NAME), str(p / INDEX_NAME), p)
+
+
+def check_weights(folder: str | os.PathLike) -> "Checkpoint":
+    """The checkpoint at ``folder`` with the header of every shard read and checked, for
+    a library that opens them all by itself (transformers refuses a header only with
+    its own exception, after embedq handed it the folder)."""
+    ck = Checkpoint.open(folder)
+    for f in ck.files():
+        ck.header(f)
+    return ck
 
 
 @dataclass
@@ -180,7 +215,7 @@ class Checkpoint:
             raise CheckpointError(f"{p}: not a directory")
         if not (p / CONFIG_NAME).exists() and not (p / CONFIG_NAME).is_symlink():
             raise CheckpointError(f"{p / CONFIG_NAME}: no config.json in the checkpoint folder")
-        config = read_folder_json(p, CONFIG_NAME)
+        config = check_config(read_folder_json(p, CONFIG_NAME), str(p / CONFIG_NAME))
         if (p / INDEX_NAME).exists() or (p / INDEX_NAME).is_symlink():
             index = read_folder_json(p, INDEX_NAME)
             weight_map = index_weight_map(index, str(p / INDEX_NAME), p)
@@ -366,7 +401,7 @@ def _hub_json(repo_id: str, file: str, revision, token) -> dict:
 def open_hub(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> HubCheckpoint:
     """Open a Hub model repository header-only: config.json, the index if sharded, and
     the safetensors headers of its shards (fetched lazily, by HTTP Range). No weights."""
-    config = _hub_json(repo_id, CONFIG_NAME, revision, token)
+    config = check_config(_hub_json(repo_id, CONFIG_NAME, revision, token), f"{repo_id}/{CONFIG_NAME}")
     sharded = _hub_exists(repo_id, INDEX_NAME, revision, token)
     single = not sharded and _hub_exists(repo_id, SINGLE_NAME, revision, token)
     label = repo_id if revision is None else f"{repo_id}@{revision}"

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 from embedq.errors import OverlayError, UnsafePathError
-from embedq.format.writer import fsync_dir
 
 
 # --------------------------------------------------------------------------- reading
@@ -46,8 +45,11 @@ def name_problem(name) -> str | None:
         return "starts with a drive letter"
     if "\\" in name:
         return "holds a backslash"
-    if ".." in name.split("/"):
+    parts = name.split("/")
+    if ".." in parts:
         return "climbs out with '..'"
+    if any(x in ("", ".") for x in parts):  # "./a", "a//b", "a/": one file, several spellings
+        return "is not a plain relative name"
     return None
 
 
@@ -112,6 +114,7 @@ def check_links(folder: str | os.PathLike, *, depth: int = 2) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name, fsync and rename."""
+    from embedq.format.writer import fsync_dir  # imports torch: not needed by readers (inspect)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         with open(tmp, "wb") as f:

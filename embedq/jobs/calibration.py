@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from embedq.errors import EvalError, SchemeError
-from embedq.format.checkpoint import check_folder_reads
+from embedq.format.checkpoint import check_folder_reads, check_weights
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.files import inside
 from embedq.quant.gptq import DEFAULT_DAMP, Calibration
@@ -99,6 +99,7 @@ def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str
     """The float model: the checkpoint loaded with its embedq quantization_config removed."""
     import transformers
     check_folder_reads(reference)
+    check_weights(reference)
     cfg = transformers.AutoConfig.from_pretrained(str(reference))
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         qc = getattr(c, "quantization_config", None)

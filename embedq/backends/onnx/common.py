@@ -159,14 +159,29 @@ class TensorRef:
             return self._arr
         dt = _np_dtype(self.elem_type)
         shape = tuple(self.dims)
+        where = f"{self.model_path or self.base_dir}: initializer {self.proto.name!r}"
+        if any(d < 0 for d in shape):
+            raise OnnxError(f"{where}: negative dims {list(shape)}")
+        need = self.nbytes()
         if self.external:
-            path, off, _ = external_data(self.proto, self.base_dir, self.model_path)
-            self._arr = np.memmap(path, dtype=dt, mode="r", offset=off, shape=shape)
+            path, off, length = external_data(self.proto, self.base_dir, self.model_path)
+            size = path.stat().st_size
+            if (length is not None and length != need) or off + need > size:
+                raise OnnxError(f"{where}: external data ({path.name}, offset {off}, length {length}) "
+                                f"does not hold its {need} bytes (file {size} bytes)")
+            self._arr = np.memmap(path, dtype=dt, mode="r", offset=off, shape=shape) if need else \
+                np.zeros(shape, dtype=dt)
         elif self.proto.HasField("raw_data"):
+            if len(self.proto.raw_data) != need:
+                raise OnnxError(f"{where}: raw_data holds {len(self.proto.raw_data)} bytes, dims "
+                                f"{list(shape)} need {need}")
             self._arr = np.frombuffer(self.proto.raw_data, dtype=dt).reshape(shape)
         else:
             from onnx import numpy_helper
-            a = numpy_helper.to_array(self.proto)
+            try:
+                a = numpy_helper.to_array(self.proto)
+            except (ValueError, TypeError) as e:
+                raise OnnxError(f"{where}: values do not fit dims {list(shape)} ({e})") from None
             self._arr = a.view(np.uint16) if self.elem_type == tensor_proto().BFLOAT16 else a
         return self._arr
 

@@ -33,9 +33,9 @@ from embedq.backends.transformers.modules import (PackedTable, QuantizedEmbeddin
                                                   resolve_targets)
 from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, QUANT_METHOD
-from embedq.format.checkpoint import check_folder_reads
+from embedq.format.checkpoint import check_folder_reads, check_weights
 from embedq.format.files import inside
-from embedq.format.reader import read_overlay_config
+from embedq.format.reader import check_overlay_header, parse_overlay_config, read_overlay_config
 
 
 # ---------------------------------------------------------------------------------------
@@ -65,8 +65,14 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     p = Path(path)
     if not p.is_dir():
         raise OverlayError(f"{p}: no such checkpoint folder")
-    read_overlay_config(p)  # clear error when there is no overlay
-    check_folder_reads(p)  # transformers reads the folder by itself: nothing outside it
+    parsed = parse_overlay_config(p)  # clear error when there is no overlay
+    # transformers reads the folder by itself: nothing outside it, and only headers
+    # embedq has checked (the weights' and the overlay's), so that bad input is one line.
+    check_folder_reads(p)
+    if (p / CONFIG_NAME).is_file():
+        check_weights(p)
+    if (p / parsed.overlay).exists():
+        check_overlay_header(inside(p, parsed.overlay), parsed)
     register()
     import transformers
     if model_class is None:
