@@ -74,11 +74,11 @@ def index_weight_map(index: dict, where: str, folder: Path | None = None) -> dic
             continue
         entry = f"{where}: weight_map entry {k[:120]!r}"
         if folder is None:
-            problem = name_problem(v)
+            problem = name_problem(v, plain=True)
             if problem:
                 raise CheckpointError(f"{entry}: {str(v)[:200]!r} {problem}")
         else:
-            inside(folder, v, named_by=entry)
+            inside(folder, v, named_by=entry, plain=True)
         checked.add(v)
     return {k: v for k, v in wm.items() if v != OVERLAY_NAME}
 

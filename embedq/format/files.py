@@ -33,8 +33,9 @@ def read_roots(folder: Path) -> list[Path]:
     return roots
 
 
-def name_problem(name) -> str | None:
-    """Why ``name`` is not a plain relative name inside a folder (None: it is)."""
+def name_problem(name, *, plain: bool = False) -> str | None:
+    """Why ``name`` is not a relative name inside a folder (None: it is); ``plain`` also
+    refuses ``.`` and empty components (an index entry: one spelling per file)."""
     if not isinstance(name, str):
         return f"is not a file name ({type(name).__name__})"
     if not name or "\0" in name:
@@ -48,7 +49,7 @@ def name_problem(name) -> str | None:
     parts = name.split("/")
     if ".." in parts:
         return "climbs out with '..'"
-    if any(x in ("", ".") for x in parts):  # "./a", "a//b", "a/": one file, several spellings
+    if plain and any(x in ("", ".") for x in parts):  # "./a", "a//b", "a/": one file, several spellings
         return "is not a plain relative name"
     return None
 
@@ -62,19 +63,20 @@ def stays_inside(folder: Path, p: Path) -> bool:
     return any(real == r or r in real.parents for r in read_roots(folder))
 
 
-def inside(folder: str | os.PathLike, name: str, *, named_by: str | None = None) -> Path:
+def inside(folder: str | os.PathLike, name: str, *, named_by: str | None = None,
+           plain: bool = False) -> Path:
     """``folder / name``, once it is known to stay in the folder; the one check every read
     on behalf of a model folder goes through.
 
-    ``name`` must be a plain relative name (no ``..``, absolute path, drive letter or
-    backslash), and the file, when it is a link, must resolve inside the folder or, in
+    ``name`` must be a relative name (no ``..``, absolute path, drive letter or
+    backslash; with ``plain``, no ``.`` or empty component either), and the file, when it is a link, must resolve inside the folder or, in
     a Hugging Face cache snapshot, into the same repository's ``blobs/``. Otherwise an
     :class:`UnsafePathError` naming ``named_by`` (the file and entry that named it, e.g.
     ``".../model.safetensors.index.json: weight_map entry 'x'"``) or the path. A file
     that does not exist is returned as is: the caller reports it missing.
     """
     folder = Path(folder)
-    problem = name_problem(name)
+    problem = name_problem(name, plain=plain)
     if problem:
         where = named_by or str(folder)
         raise UnsafePathError(f"{where}: {str(name)[:200]!r} {problem}; embedq reads only files "

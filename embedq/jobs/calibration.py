@@ -21,6 +21,7 @@ from embedq.errors import EvalError, SchemeError
 from embedq.format.checkpoint import check_folder_reads, check_weights
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.files import inside
+from embedq.jobs.archfacts import transformers_config
 from embedq.quant.gptq import DEFAULT_DAMP, Calibration
 
 CALIB_CONTEXTS = 48
@@ -100,7 +101,7 @@ def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str
     import transformers
     check_folder_reads(reference)
     check_weights(reference)
-    cfg = transformers.AutoConfig.from_pretrained(str(reference))
+    cfg = transformers_config(reference)
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         qc = getattr(c, "quantization_config", None)
         if qc is not None:

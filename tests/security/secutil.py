@@ -109,6 +109,11 @@ def set_source_row(folder: Path, tensor: str, row: int, value: float) -> None:
 FUZZ_COUNTS: dict[str, dict[str, int]] = {}
 
 
+def begin(test: str) -> None:
+    """Count one fuzz example of ``test``."""
+    count(test, "")
+
+
 def count(test: str, outcome: str) -> None:
     """Record one fuzz example's outcome; tests/security/conftest.py prints the table."""
     d = FUZZ_COUNTS.setdefault(test, {})

@@ -20,14 +20,24 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import embedq
 from embedq.errors import EmbedqError
-from secutil import count, ends_cleanly, read_qconfig, tree, write_qconfig
+from secutil import begin, count, ends_cleanly, read_qconfig, tree, write_qconfig
 
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+def examples(*cases):
+    """Each case as an explicit hypothesis example (run on top of the generated ones), so
+    that every kind of mutation is tried in every run."""
+    def deco(test):
+        for c in reversed(cases):
+            test = example(m=c)(test)
+        return test
+    return deco
+
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 INDEX = "model.safetensors.index.json"
@@ -170,13 +180,27 @@ def apply_st(data: bytes, m) -> bytes:
 
 QWEN_NAMES = ["model.embed_tokens.weight", "model.embed_tokens.weight", "model.norm.weight",
               "model.layers.0.mlp.down_proj.weight"]
+EMB = "model.embed_tokens.weight"
+EVERY_ST_KIND = (
+    ("field", EMB, ("dtype", "F32")), ("field", EMB, ("dtype", "X")), ("field", EMB, ("shape", [512, 65])),
+    ("field", EMB, ("shape", [512, "64"])), ("field", EMB, ("data_offsets", [0, 2 ** 64])),
+    ("field", EMB, ("data_offsets", [-2, 65534])), ("shift", EMB, 2), ("reshape", EMB, "swap"),
+    ("reshape", EMB, "flat"), ("reshape", EMB, "extra1"), ("del_field", EMB, ("shape", None)),
+    ("del_entry", EMB, None), ("del_entry", "model.norm.weight", None),
+    ("add_entry", "extra.weight", {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}),
+    ("dup_key", EMB, {"dtype": "BF16", "shape": [512, 64], "data_offsets": [0, 65536]}),
+    ("trailing", EMB, 1), ("truncate", EMB, 1), ("length", EMB, -1), ("length", EMB, 2 ** 63),
+    ("metadata", EMB, {"format": 1}), ("metadata", EMB, "pt"), ("entry", EMB, None), ("junk", EMB, None),
+)
 
 
 @FUZZ
 @given(m=st_mutations(QWEN_NAMES))
+@examples(*EVERY_ST_KIND)
 def test_fuzz_weights_header(made, tmp_path_factory, m):
     """A mutated model.safetensors header: inspect, quantize (then verify, remove)."""
     t = "weights header"
+    begin(t)
     f = _copy(made["qwen"], tmp_path_factory)
     p = f / "model.safetensors"
     p.write_bytes(apply_st(p.read_bytes(), m))
@@ -186,11 +210,12 @@ def test_fuzz_weights_header(made, tmp_path_factory, m):
     _in_place(t, f)
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=30)
 @given(m=st_mutations(QWEN_NAMES))
 def test_fuzz_weights_header_under_an_overlay(made, tmp_path_factory, m):
     """The shard of an in-place quantized folder mutated: verify, embedq.load, remove."""
     t = "weights header, overlay in place"
+    begin(t)
     f = _copy(made["qwen_q"], tmp_path_factory)
     p = f / "model.safetensors"
     p.write_bytes(apply_st(p.read_bytes(), m))
@@ -208,11 +233,12 @@ OVERLAY_NAMES = ["model.embed_tokens.weight_packed", "model.embed_tokens.weight_
                  "model.embed_tokens.weight_shape"]
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=30)
 @given(m=st_mutations(OVERLAY_NAMES))
 def test_fuzz_overlay_header(made, model_factory, tmp_path_factory, m):
     """A mutated embedq.safetensors: verify and embedq.load in place; apply of a bundle."""
     t = "overlay header"
+    begin(t)
     f = _copy(made["qwen_q"], tmp_path_factory)
     p = f / "embedq.safetensors"
     p.write_bytes(apply_st(p.read_bytes(), m))
@@ -237,20 +263,39 @@ LLAMA_KEYS = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
               "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
 
 
+# "{0}", "{1}" ... stand for the folder's shard names (filled in by apply_index).
+SHARD_NAMES = ["{0}", "{1}", "{2}", "missing.safetensors", "../outside/{0}", "/tmp/{0}", "sub\\{0}",
+               "C:{0}", "./{0}", "{0}/", "", ".", "embedq.safetensors", INDEX, "config.json", "sub/{0}"]
+
+
 @st.composite
-def index_mutations(draw, shards: list[str]):
+def index_mutations(draw):
     kind = draw(st.sampled_from(["entry", "entry", "entry", "del", "add", "dup_key", "one_shard",
                                  "weight_map", "metadata", "whole"]))
     key = draw(st.sampled_from(LLAMA_KEYS))
-    names = shards + ["missing.safetensors", "../outside/" + shards[0], "/tmp/" + shards[0],
-                      "sub\\" + shards[0], "C:" + shards[0], "./" + shards[0], shards[0] + "/", "",
-                      ".", "embedq.safetensors", INDEX, "config.json", "sub/" + shards[0]]
-    value = draw(st.one_of(st.sampled_from(names), json_value))
+    value = draw(st.one_of(st.sampled_from(SHARD_NAMES), json_value))
     return kind, key, value
+
+
+EVERY_INDEX_KIND = tuple(("entry", "model.embed_tokens.weight", n) for n in SHARD_NAMES) + (
+    ("entry", "lm_head.weight", "../outside/{0}"), ("entry", "model.norm.weight", "/tmp/{0}"),
+    ("entry", "model.embed_tokens.weight", None), ("entry", "model.embed_tokens.weight", ["{0}"]),
+    ("del", "model.embed_tokens.weight", None), ("del", "model.norm.weight", None),
+    ("add", "", "{1}"), ("add", "", "../x"), ("dup_key", "model.embed_tokens.weight", "../outside/{0}"),
+    ("dup_key", "model.embed_tokens.weight", "{1}"), ("one_shard", "", None), ("weight_map", "", []),
+    ("weight_map", "", {}), ("metadata", "", {"total_size": "x"}), ("metadata", "", None),
+    ("whole", "", []), ("whole", "", None),
+)
 
 
 def apply_index(index: dict, m) -> bytes:
     kind, key, v = m
+    shards = sorted(set(index["weight_map"].values()))
+    if isinstance(v, str) and "{" in v:
+        try:
+            v = v.format(*shards)
+        except (IndexError, KeyError, ValueError):
+            pass
     ix = copy.deepcopy(index)
     wm = ix["weight_map"]
     if kind == "entry":
@@ -277,13 +322,14 @@ def apply_index(index: dict, m) -> bytes:
 
 
 @FUZZ
-@given(data=st.data())
-def test_fuzz_index(made, tmp_path_factory, data):
+@given(m=index_mutations())
+@examples(*EVERY_INDEX_KIND)
+def test_fuzz_index(made, tmp_path_factory, m):
     """A mutated index: inspect, quantize in place (then verify, remove), quantize --output."""
     t = "index"
+    begin(t)
     f = _copy(made["llama"], tmp_path_factory)
     index = json.loads((f / INDEX).read_text())
-    m = data.draw(index_mutations(sorted(set(index["weight_map"].values()))))
     (f / INDEX).write_bytes(apply_index(index, m))
     before, parent = tree(f), tree(f.parent)
     count(t, "inspect ok" if ends_cleanly("inspect", f)[0] else "inspect refused")
@@ -331,6 +377,7 @@ def apply_config(cfg: dict, m) -> dict:
 def test_fuzz_config_json(made, tmp_path_factory, m, which):
     """A mutated config.json of a float folder: inspect, quantize (then verify, remove)."""
     t = "config.json"
+    begin(t)
     f = _copy(made[which], tmp_path_factory)
     (f / "config.json").write_text(json.dumps(apply_config(json.loads((f / "config.json").read_text()), m)))
     before = tree(f)
@@ -339,12 +386,13 @@ def test_fuzz_config_json(made, tmp_path_factory, m, which):
     _in_place(t, f, *(["--lm-head"] if which == "llama" else []))
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=30)
 @given(m=config_mutations())
 def test_fuzz_config_json_under_an_overlay(made, tmp_path_factory, m):
     """config.json of an in-place quantized folder mutated (its quantization_config, ties):
     verify, embedq.load, remove."""
     t = "config.json, overlay in place"
+    begin(t)
     f = _copy(made["qwen_q"], tmp_path_factory)
     (f / "config.json").write_text(json.dumps(apply_config(json.loads((f / "config.json").read_text()), m)))
     before = tree(f)
@@ -363,13 +411,14 @@ TIES = st.sampled_from([
 ])
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=30)
 @given(tie=TIES, where=st.sampled_from(["both", "file", "config.json"]),
        drop_file=st.booleans())
 def test_fuzz_ties_and_aliases(made, model_factory, tmp_path_factory, tie, where, drop_file):
     """Ties and aliases of the overlay config, in quantization_config.json and/or config.json's
     copy (read when the file is gone): verify, embedq.load, apply of a bundle, remove."""
     t = "ties and aliases"
+    begin(t)
     key, value = tie
     f = _copy(made["qwen_q"], tmp_path_factory)
     cfg = read_qconfig(f)
@@ -519,14 +568,21 @@ def apply_onnx(mp, m, folder: Path, tmp: Path) -> bytes | None:
     return data
 
 
+EVERY_ONNX_KIND = tuple((k, 0) for k in ONNX_KINDS if k not in ("external", "dims", "dtype", "op_type", "axis")) \
+    + (("dims", [64, 512]), ("dims", [0, 64]), ("dtype", 10), ("dtype", 40), ("op_type", "Foo"), ("axis", 1)) \
+    + tuple(("external", e) for e in EXT_MUTATIONS.elements)
+
+
 @settings(FUZZ, max_examples=30)
 @given(m=onnx_mutations())
+@examples(*EVERY_ONNX_KIND)
 def test_fuzz_onnx_patch(made, tmp_path_factory, m):
     """A mutated small ONNX graph (missing inputs, cycles, external data ...) under
     ``embedq onnx patch``: success or one line; the model's folder untouched."""
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     t = "onnx patch"
+    begin(t)
     tmp = tmp_path_factory.mktemp("ox")
     folder = tmp / "model"
     folder.mkdir()

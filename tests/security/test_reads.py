@@ -237,7 +237,10 @@ def test_hf_cache_link_into_another_repos_blobs_is_refused(model_factory, tmp_pa
     (None, False), (7, False), (["x"], False),
 ])
 def test_name_rules(name, ok):
-    assert (name_problem(name) is None) == ok
+    """The rules of an index entry (``plain``: one spelling per file)."""
+    assert (name_problem(name, plain=True) is None) == ok
+    if name in ("./model.safetensors", "a//b"):  # fine for an ONNX external data location
+        assert name_problem(name) is None
 
 
 def test_inside_missing_file_is_returned(tmp_path):

@@ -17,7 +17,8 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DO
                                          onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points,
                                          require_onnx)
 from embedq.backends.onnx.common import external_data as _external_file
-from embedq.backends.onnx.graph import find_gathers, find_heads, GraphIndex, TableMatch, overlay_targets
+from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
+                                        overlay_targets)
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.write import write_model
 from embedq.format.files import check_links, inside, name_problem
@@ -166,6 +167,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         raise OnnxError(f"accuracy_level {accuracy_level}: expected 0-4 (MatMulNBits)")
     cfg = read_overlay_config(ov_path)
     mp = load_onnx_model(src_path)
+    check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
     check_external_data(mp, src_path.parent, src_path)
     P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level)

@@ -34,6 +34,7 @@ from embedq.backends.transformers.modules import (PackedTable, QuantizedEmbeddin
 from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, QUANT_METHOD
 from embedq.format.checkpoint import check_folder_reads, check_weights
+from embedq.jobs.archfacts import transformers_config
 from embedq.format.files import inside
 from embedq.format.reader import check_overlay_header, parse_overlay_config, read_overlay_config
 
@@ -75,10 +76,10 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
         check_overlay_header(inside(p, parsed.overlay), parsed)
     register()
     import transformers
+    cfg = transformers_config(p)  # a config transformers refuses is one line, here
     if model_class is None:
         model_class = _architecture_class(p)
     if model_class is None:
-        cfg = transformers.AutoConfig.from_pretrained(str(p))
         model_class = transformers.AutoModelForCausalLM
         if type(cfg) not in transformers.AutoModelForCausalLM._model_mapping:
             model_class = getattr(transformers, "AutoModelForImageTextToText", model_class)
@@ -86,7 +87,6 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     if qc is None:
         # overlay-only bundle or a config.json without the quantization_config:
         # pass it explicitly so that transformers routes through embedq.
-        cfg = transformers.AutoConfig.from_pretrained(str(p))
         cfg.quantization_config = read_overlay_config(p)
         from_pretrained_kwargs.setdefault("config", cfg)
     result = model_class.from_pretrained(str(p), **from_pretrained_kwargs)
