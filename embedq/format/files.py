@@ -69,8 +69,9 @@ def inside(folder: str | os.PathLike, name: str, *, named_by: str | None = None,
     on behalf of a model folder goes through.
 
     ``name`` must be a relative name (no ``..``, absolute path, drive letter or
-    backslash; with ``plain``, no ``.`` or empty component either), and the file, when it is a link, must resolve inside the folder or, in
-    a Hugging Face cache snapshot, into the same repository's ``blobs/``. Otherwise an
+    backslash; with ``plain``, no ``.`` or empty component either), and the file, when
+    it is a link, must resolve inside the folder or, in a Hugging Face cache snapshot,
+    into the same repository's ``blobs/``. Otherwise an
     :class:`UnsafePathError` naming ``named_by`` (the file and entry that named it, e.g.
     ``".../model.safetensors.index.json: weight_map entry 'x'"``) or the path. A file
     that does not exist is returned as is: the caller reports it missing.

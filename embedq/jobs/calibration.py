@@ -98,7 +98,6 @@ def quiet_transformers():
 
 def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str | None = None):
     """The float model: the checkpoint loaded with its embedq quantization_config removed."""
-    import transformers
     check_folder_reads(reference)
     check_weights(reference)
     cfg = transformers_config(reference)
@@ -214,7 +213,7 @@ def collect_calibration(path: str | os.PathLike, *, text: str | os.PathLike | No
     tok = load_tokenizer(p)
     bos = tok.bos_token_id if tok.bos_token_id is not None else config_bos(p)
     ids = text_contexts(tok, body, contexts, length, bos)
-    cfg = transformers.AutoConfig.from_pretrained(str(p))
+    cfg = transformers_config(p)
     arch = (getattr(cfg, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:

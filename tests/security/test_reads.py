@@ -248,3 +248,26 @@ def test_inside_missing_file_is_returned(tmp_path):
     os.symlink("loop", tmp_path / "loop")
     with pytest.raises(EmbedqError, match="link"):
         inside(tmp_path, "loop")
+
+
+def test_onnx_external_data_in_an_hf_cache_snapshot(model_factory, tmp_path):
+    """An ONNX graph and its external data as snapshot links into ``blobs/`` are read;
+    external data linking into another repository's blobs is refused."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from test_fuzz_files import _graph, _table, apply_onnx
+    q = model_factory("qwen2_tied")
+    bundle = tmp_path / "bundle"
+    embedq.quantize(q, 8, output=bundle, overlay_only=True, progress=False)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.onnx").write_bytes(apply_onnx(_graph(_table(q)), ("external", ("ok", None)), plain, tmp_path))
+    blobs, snap = _hf_cache(plain, tmp_path / "hub")
+    assert (snap / "data.bin").is_symlink()
+    code, out, exc = run_cli("onnx", "patch", snap / "model.onnx", "--overlay", bundle, "--output", tmp_path / "q.onnx")
+    assert code == 0, (out, exc)
+    other, _ = _hf_cache(plain, tmp_path / "hub", name="models--org--other")
+    (snap / "data.bin").unlink()
+    os.symlink(os.path.relpath(other / os.listdir(other)[0], snap), snap / "data.bin")
+    assert_refused(run_cli("onnx", "patch", snap / "model.onnx", "--overlay", bundle, "--output",
+                           tmp_path / "q2.onnx"), "external data location 'data.bin'")
