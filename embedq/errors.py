@@ -13,6 +13,10 @@ class CheckpointError(EmbedqError):
     """The checkpoint on disk is missing, corrupt or inconsistent."""
 
 
+class UnsafePathError(CheckpointError):
+    """A model folder names, or links to, a file outside itself (see format/files.inside)."""
+
+
 class TieError(EmbedqError):
     """Config and tensors disagree on whether the embedding and head are tied."""
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from embedq.errors import CheckpointError
 
-from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME,  # noqa: F401
-                                     QCONFIG_NAME, SINGLE_NAME, STATE_DIR)
+from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, MAX_HEADER_BYTES,  # noqa: F401
+                                     OVERLAY_NAME, QCONFIG_NAME, SINGLE_NAME, ST_DTYPE_BITS,
+                                     STATE_DIR)
+from embedq.format.files import check_links, inside, name_problem  # noqa: F401
 
 
 def read_json(path: Path) -> dict:
@@ -21,11 +23,84 @@ def read_json(path: Path) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a folder, not a JSON file") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
+        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
+
+
+# Types of the config.json fields embedq reads itself (and of text_config's): a config
+# holding another type is refused here, once, instead of failing wherever it is read.
+CONFIG_TYPES = {"quantization_config": dict, "tie_word_embeddings": bool, "text_config": dict,
+                "architectures": list, "model_type": str, "vocab_size": int, "hidden_size": int,
+                "num_hidden_layers": int}
+
+
+def check_config(config: dict, where: str) -> dict:
+    """Refuse a config.json whose fields embedq reads have the wrong type."""
+    tc = config.get("text_config")
+    for cfg, at in ((config, ""), (tc if isinstance(tc, dict) else {}, "text_config.")):
+        for k, t in CONFIG_TYPES.items():
+            v = cfg.get(k)
+            if v is None:
+                continue
+            ok = isinstance(v, t) and not (t is int and (isinstance(v, bool) or v < 0))
+            if k == "architectures":
+                ok = ok and all(isinstance(a, str) for a in v)
+            if not ok:
+                want = {"dict": "an object", "bool": "true or false", "list": "a list of class names",
+                        "str": "a string", "int": "a non-negative integer"}[t.__name__]
+                raise CheckpointError(f"{where}: {at}{k} is {json.dumps(v)[:60]}, expected {want}")
+    return config
+
+
+def read_folder_json(folder: Path, name: str) -> dict:
+    """:func:`read_json` of ``folder/name``, a file the folder must hold (:func:`inside`)."""
+    return read_json(inside(folder, name))
+
+
+def index_weight_map(index: dict, where: str, folder: Path | None = None) -> dict[str, str]:
+    """The index's weight_map without the overlay's entries; every shard name a plain
+    relative name and, given the ``folder``, a file inside it (:func:`inside`)."""
+    wm = index.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{where}: missing or empty weight_map")
+    checked: set[str] = set()
+    for k, v in wm.items():
+        if isinstance(v, str) and v in checked:
+            continue
+        entry = f"{where}: weight_map entry {k[:120]!r}"
+        if folder is None:
+            problem = name_problem(v, plain=True)
+            if problem:
+                raise CheckpointError(f"{entry}: {str(v)[:200]!r} {problem}")
+        else:
+            inside(folder, v, named_by=entry, plain=True)
+        checked.add(v)
+    return {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+
+
+def check_folder_reads(folder: str | os.PathLike) -> None:
+    """Before a library (transformers) reads ``folder`` by itself: no link in it leads
+    out (tokenizer files, generation_config.json ...), and the index, if any, names only
+    shards inside it (transformers opens ``folder/<weight_map value>`` as is)."""
+    p = Path(folder)
+    check_links(p)
+    if (p / INDEX_NAME).is_file():
+        index_weight_map(read_folder_json(p, INDEX_NAME), str(p / INDEX_NAME), p)
+
+
+def check_weights(folder: str | os.PathLike) -> "Checkpoint":
+    """The checkpoint at ``folder`` with the header of every shard read and checked, for
+    a library that opens them all by itself (transformers refuses a header only with
+    its own exception, after embedq handed it the folder)."""
+    ck = Checkpoint.open(folder)
+    for f in ck.files():
+        ck.header(f)
+    return ck
 
 
 @dataclass
@@ -46,8 +121,57 @@ class TensorInfo:
         return 8 + self.header_len + self.data_offsets[0]
 
 
+def check_header(header, where: str, n: int, size: int | None = None) -> dict:
+    """Hold a parsed safetensors header to the rules safetensors' own reader enforces, so
+    that nothing downstream (embedq, safe_open, a loader) meets a header it cannot read:
+    string metadata; per tensor a known dtype, a shape of non-negative ints and data
+    offsets that hold exactly its bytes; the tensors back to back from 0 and, when
+    ``size`` is known, ending exactly at the end of the file (no trailing bytes)."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: corrupt safetensors header (not a JSON object)")
+    meta = header.get("__metadata__", {})
+    if meta is not None and (not isinstance(meta, dict)
+                             or not all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{where}: corrupt safetensors header (__metadata__ must map "
+                              "names to strings)")
+    spans = []
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        bad = f"{where}: corrupt safetensors header entry {k[:120]!r}"
+        if not isinstance(v, dict):
+            raise CheckpointError(f"{bad} (not an object)")
+        dtype, shape, off = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in ST_DTYPE_BITS:
+            raise CheckpointError(f"{bad} (dtype {str(dtype)[:40]!r} is not a safetensors dtype)")
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            raise CheckpointError(f"{bad} (shape {str(shape)[:60]} is not a list of sizes)")
+        if not (isinstance(off, list) and len(off) == 2 and all(type(x) is int for x in off)
+                and 0 <= off[0] <= off[1]):
+            raise CheckpointError(f"{bad} (data_offsets {str(off)[:60]} are not [begin, end])")
+        bits = ST_DTYPE_BITS[dtype]
+        for d in shape:
+            bits *= d
+        if bits % 8 or off[1] - off[0] != bits // 8:
+            raise CheckpointError(f"{bad} ({dtype} {shape} needs {bits / 8:g} bytes, data_offsets "
+                                  f"hold {off[1] - off[0]})")
+        spans.append((off[0], off[1], k))
+    spans.sort()
+    end = 0
+    for b, e, k in spans:
+        if b != end:
+            raise CheckpointError(f"{where}: corrupt safetensors header (tensor {k[:120]!r} starts at "
+                                  f"byte {b}, expected {end}: overlapping or gapped data_offsets)")
+        end = e
+    if size is not None and 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "trailing bytes after the tensors in"
+        raise CheckpointError(f"{where}: {what} safetensors file ({size} bytes, header "
+                              f"describes {8 + n + end})")
+    return header
+
+
 def read_safetensors_header(path: Path) -> tuple[int, dict]:
-    """Parse and validate a safetensors header; errors name the file."""
+    """Parse and validate a safetensors header (:func:`check_header`); errors name the file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -55,29 +179,16 @@ def read_safetensors_header(path: Path) -> tuple[int, dict]:
             if len(raw) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header)")
             (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, 100 * 1024 * 1024):
+            if n > min(size - 8, MAX_HEADER_BYTES):
                 raise CheckpointError(f"{path}: corrupt safetensors header (length {n})")
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a folder, not a safetensors file") from None
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header")
-    end = 0
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        try:
-            b, e = v["data_offsets"]
-            v["dtype"], v["shape"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry {k!r}") from None
-        end = max(end, e)
-    if 8 + n + end > size:
-        raise CheckpointError(
-            f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end})")
-    return n, header
+    return n, check_header(header, str(path), n, size)
 
 
 @dataclass
@@ -102,15 +213,12 @@ class Checkpoint:
             raise CheckpointError(f"{p}: no such directory")
         if not p.is_dir():
             raise CheckpointError(f"{p}: not a directory")
-        config = read_json(p / CONFIG_NAME) if (p / CONFIG_NAME).exists() else None
-        if config is None:
+        if not (p / CONFIG_NAME).exists() and not (p / CONFIG_NAME).is_symlink():
             raise CheckpointError(f"{p / CONFIG_NAME}: no config.json in the checkpoint folder")
-        if (p / INDEX_NAME).exists():
-            index = read_json(p / INDEX_NAME)
-            wm = index.get("weight_map")
-            if not isinstance(wm, dict) or not wm:
-                raise CheckpointError(f"{p / INDEX_NAME}: missing or empty weight_map")
-            weight_map = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+        config = check_config(read_folder_json(p, CONFIG_NAME), str(p / CONFIG_NAME))
+        if (p / INDEX_NAME).exists() or (p / INDEX_NAME).is_symlink():
+            index = read_folder_json(p, INDEX_NAME)
+            weight_map = index_weight_map(index, str(p / INDEX_NAME), p)
             for f in sorted(set(weight_map.values())):
                 if not (p / f).is_file():
                     raise CheckpointError(f"{p / INDEX_NAME}: names shard {f!r}, which does not exist")
@@ -125,6 +233,7 @@ class Checkpoint:
         if len(files) > 1 and SINGLE_NAME not in files:
             raise CheckpointError(f"{p}: several .safetensors files but no {INDEX_NAME}")
         f = SINGLE_NAME if SINGLE_NAME in files else files[0]
+        inside(p, f)
         ck = cls(p, config, False, {}, None)
         ck.weight_map = {k: f for k in ck.header(f)[1] if k != "__metadata__"}
         return ck
@@ -259,26 +368,18 @@ def _hub_header(repo_id: str, file: str, revision, token) -> tuple[int, dict]:
     if len(raw) < 8:
         raise CheckpointError(f"{where}: truncated safetensors file (no header)")
     (n,) = struct.unpack("<Q", raw)
-    if n > 100 * 1024 * 1024:
+    if n > MAX_HEADER_BYTES:
         raise CheckpointError(f"{where}: corrupt safetensors header (length {n})")
     try:
         body = _hub_range(repo_id, file, revision, token, 8, 8 + n - 1)
         header = json.loads(body)
     except CheckpointError:
         raise
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         raise CheckpointError(f"{where}: corrupt safetensors header (not JSON)") from None
     except Exception as e:
         raise _hub_error(repo_id, file, e) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{where}: corrupt safetensors header")
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        try:
-            v["data_offsets"][1], v["dtype"], v["shape"]
-        except (KeyError, TypeError, IndexError):
-            raise CheckpointError(f"{where}: corrupt safetensors header entry {k!r}") from None
+    check_header(header, where, n)
     return n, header
 
 
@@ -300,16 +401,13 @@ def _hub_json(repo_id: str, file: str, revision, token) -> dict:
 def open_hub(repo_id: str, revision: str | None = None, token: str | bool | None = None) -> HubCheckpoint:
     """Open a Hub model repository header-only: config.json, the index if sharded, and
     the safetensors headers of its shards (fetched lazily, by HTTP Range). No weights."""
-    config = _hub_json(repo_id, CONFIG_NAME, revision, token)
+    config = check_config(_hub_json(repo_id, CONFIG_NAME, revision, token), f"{repo_id}/{CONFIG_NAME}")
     sharded = _hub_exists(repo_id, INDEX_NAME, revision, token)
     single = not sharded and _hub_exists(repo_id, SINGLE_NAME, revision, token)
     label = repo_id if revision is None else f"{repo_id}@{revision}"
     if sharded:
         index = _hub_json(repo_id, INDEX_NAME, revision, token)
-        wm = index.get("weight_map")
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{repo_id}/{INDEX_NAME}: missing or empty weight_map")
-        weight_map = {k: v for k, v in wm.items() if v != OVERLAY_NAME}
+        weight_map = index_weight_map(index, f"{repo_id}/{INDEX_NAME}")
         return HubCheckpoint(Path(label), config, True, weight_map, index, repo_id=repo_id,
                              revision=revision, token=token)
     if not single:

@@ -311,6 +311,8 @@ def read_config_file(path: str | os.PathLike) -> OverlayConfig:
         cfg = json.loads(data, parse_constant=_no_constant)
     except FileNotFoundError:
         raise OverlayError(f"{p}: not found") from None
+    except IsADirectoryError:
+        raise OverlayError(f"{p}: a folder, not a JSON file") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN
         raise OverlayError(f"{p}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
     return parse_config(cfg, str(p))

@@ -33,6 +33,12 @@ SUPPORTED_BITS = (4, 8)
 METHODS = ("rtn", "mse", "gptq")
 ROLES = ("embedding", "head", "mtp")
 
+# Bits per element of every dtype name a safetensors header may hold (safetensors 0.6+).
+ST_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+                 "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+                 "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
 # Safetensors dtype names <-> the config's dtype names (float tables and scales).
 ST_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 

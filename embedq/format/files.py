@@ -1,4 +1,4 @@
-"""Small atomic file operations shared by the overlay writers."""
+"""Which files of a model folder embedq may read, and small atomic file operations."""
 
 from __future__ import annotations
 
@@ -7,12 +7,117 @@ import os
 import shutil
 from pathlib import Path
 
-from embedq.errors import OverlayError
-from embedq.format.writer import fsync_dir
+from embedq.errors import OverlayError, UnsafePathError
+
+
+# --------------------------------------------------------------------------- reading
+# A downloaded folder is untrusted: a file it names (an index's shard, an ONNX graph's
+# external data) or a link it holds could otherwise make embedq read another model's
+# weights, or any file, and write them into an overlay that gets published.
+
+
+def read_roots(folder: Path) -> list[Path]:
+    """Where files read on behalf of ``folder`` may resolve: the folder itself and, for a
+    Hugging Face cache snapshot (``models--o--n/snapshots/<rev>[/sub]``, seen through the
+    path given or through its resolved location), that repository's ``blobs/``."""
+    folder = Path(folder)
+    real = folder.resolve()
+    roots = [real]
+    for f in (folder, real):
+        for d in (f, *f.parents):
+            if d.parent.name == "snapshots" and d.parent.parent != d.parent:
+                blobs = (d.parent.parent / "blobs").resolve()
+                if blobs not in roots:
+                    roots.append(blobs)
+                break
+    return roots
+
+
+def name_problem(name, *, plain: bool = False) -> str | None:
+    """Why ``name`` is not a relative name inside a folder (None: it is); ``plain`` also
+    refuses ``.`` and empty components (an index entry: one spelling per file)."""
+    if not isinstance(name, str):
+        return f"is not a file name ({type(name).__name__})"
+    if not name or "\0" in name:
+        return "is not a file name"
+    if name.startswith(("/", "\\")) or os.path.isabs(name):
+        return "is an absolute path"
+    if len(name) > 1 and name[1] == ":":
+        return "starts with a drive letter"
+    if "\\" in name:
+        return "holds a backslash"
+    parts = name.split("/")
+    if ".." in parts:
+        return "climbs out with '..'"
+    if plain and any(x in ("", ".") for x in parts):  # "./a", "a//b", "a/": one file, several spellings
+        return "is not a plain relative name"
+    return None
+
+
+def stays_inside(folder: Path, p: Path) -> bool:
+    """Whether ``p`` (a link, maybe; resolved as far as it exists) lies in :func:`read_roots`."""
+    try:
+        real = Path(p).resolve()
+    except (OSError, RuntimeError):  # a link loop
+        return False
+    return any(real == r or r in real.parents for r in read_roots(folder))
+
+
+def inside(folder: str | os.PathLike, name: str, *, named_by: str | None = None,
+           plain: bool = False) -> Path:
+    """``folder / name``, once it is known to stay in the folder; the one check every read
+    on behalf of a model folder goes through.
+
+    ``name`` must be a relative name (no ``..``, absolute path, drive letter or
+    backslash; with ``plain``, no ``.`` or empty component either), and the file, when
+    it is a link, must resolve inside the folder or, in a Hugging Face cache snapshot,
+    into the same repository's ``blobs/``. Otherwise an
+    :class:`UnsafePathError` naming ``named_by`` (the file and entry that named it, e.g.
+    ``".../model.safetensors.index.json: weight_map entry 'x'"``) or the path. A file
+    that does not exist is returned as is: the caller reports it missing.
+    """
+    folder = Path(folder)
+    problem = name_problem(name, plain=plain)
+    if problem:
+        where = named_by or str(folder)
+        raise UnsafePathError(f"{where}: {str(name)[:200]!r} {problem}; embedq reads only files "
+                              "inside the model folder")
+    path = folder / name
+    if not stays_inside(folder, path):
+        where = named_by or str(path)
+        try:
+            real = str(path.resolve())
+        except (OSError, RuntimeError):
+            real = "a link loop"
+        raise UnsafePathError(f"{where}: {name!r} is a link leading out of the model folder "
+                              f"(to {real}); refusing to read it")
+    return path
+
+
+def check_links(folder: str | os.PathLike, *, depth: int = 2) -> None:
+    """Refuse a folder holding a link that leads out of it (see :func:`inside`), before
+    the folder is handed to a library (transformers) that reads files by name from it:
+    tokenizer files, generation_config.json, chat templates, subfolders."""
+    folder = Path(folder)
+
+    def walk(d: Path, rel: str, left: int) -> None:
+        try:
+            entries = sorted(d.iterdir())
+        except OSError:
+            return
+        for p in entries:
+            name = f"{rel}{p.name}"
+            if p.is_symlink():
+                inside(folder, name)
+            if left > 0 and p.is_dir() and not p.is_symlink() and not p.name.startswith("."):
+                walk(p, name + "/", left - 1)
+
+    walk(folder, "", depth - 1)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name, fsync and rename."""
+    from embedq.format.writer import fsync_dir  # imports torch: not needed by readers (inspect)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         with open(tmp, "wb") as f:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, QCONFIG_NAME, QUANT_METHOD
 from embedq.format.checkpoint import read_safetensors_header
+from embedq.format.files import inside
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
 from embedq.errors import EmbedqError
 from embedq.format.codec import unpack_zero_points
@@ -41,11 +42,13 @@ ITEMSIZE = {"I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4}
 def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
     """The validated config of a folder: ``quantization_config.json``, else config.json's."""
     p = Path(path)
-    if (p / QCONFIG_NAME).exists():
-        return read_config_file(p / QCONFIG_NAME)
+    if (p / QCONFIG_NAME).exists() or (p / QCONFIG_NAME).is_symlink():
+        return read_config_file(inside(p, QCONFIG_NAME))
     if (p / CONFIG_NAME).exists():
         try:
-            cfg = json.loads((p / CONFIG_NAME).read_bytes())
+            cfg = json.loads(inside(p, CONFIG_NAME).read_bytes())
+        except IsADirectoryError:
+            raise OverlayError(f"{p / CONFIG_NAME}: a folder, not a JSON file") from None
         except (ValueError, RecursionError) as e:
             raise OverlayError(f"{p / CONFIG_NAME}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
@@ -112,7 +115,7 @@ def load_overlay(path: str | os.PathLike, modules: list[str] | None = None) -> O
     p = Path(path)
     parsed = parse_overlay_config(p)
     cfg = parsed.to_dict()
-    file = p / parsed.overlay
+    file = inside(p, parsed.overlay, named_by=parsed.where)
     if not file.is_file():
         raise OverlayError(f"{file}: overlay file missing")
     check_overlay_header(file, parsed)

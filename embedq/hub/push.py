@@ -139,7 +139,7 @@ def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...]
     file, or a link that leads out of the folder (a Hugging Face cache snapshot's links
     into its own ``blobs/`` are fine).
     """
-    from embedq.jobs.derived import stays_inside
+    from embedq.format.files import stays_inside
     root = Path(folder)
     include = tuple(include or ())
     files: list[tuple[str, int]] = []
@@ -184,7 +184,7 @@ def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...]
 
 def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     """Refuse a folder that is not a complete embedq checkpoint or bundle; return warnings."""
-    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, read_json
+    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, index_weight_map, read_json
     from embedq.format.reader import read_overlay_config
     from embedq.format.checkpoint import read_safetensors_header
     if not folder.is_dir():
@@ -218,7 +218,7 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     warnings = []
     if INDEX_NAME in names:
         index = read_json(folder / INDEX_NAME)
-        missing = sorted({f for f in (index.get("weight_map") or {}).values()} - names)
+        missing = sorted(set(index_weight_map(index, str(folder / INDEX_NAME), folder).values()) - names)
         if missing:
             raise EmbedqError(f"{folder / INDEX_NAME}: names {', '.join(missing)}, not in the folder")
     if CONFIG_NAME in names:

@@ -23,10 +23,9 @@ from embedq.format.checkpoint import CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, Ch
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
 from embedq.format.constants import ST_FLOAT_NAMES
 from embedq.format.reader import check_overlay_header
-from embedq.format.files import check_writable
+from embedq.format.files import check_writable, inside
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter
-from embedq.jobs.derived import stays_inside
 from embedq.jobs.report import ModuleReport, Report
 
 CHUNK = 64 << 20
@@ -51,17 +50,13 @@ def parse_bundle(overlay: str | os.PathLike) -> tuple[OverlayConfig, Path]:
     ov = Path(overlay)
     if not ov.is_dir():
         raise OverlayError(f"{ov}: no such overlay folder")
-    qpath = ov / QCONFIG_NAME
+    qpath = inside(ov, QCONFIG_NAME)
     if not qpath.is_file():
         raise OverlayError(f"{qpath}: not found; {ov} is not an embedq overlay bundle")
-    if not stays_inside(ov, qpath):
-        raise OverlayError(f"{qpath}: a link out of the bundle folder; refusing to read it")
     qconfig = read_config_file(qpath)
-    file = ov / qconfig.overlay
+    file = inside(ov, qconfig.overlay, named_by=str(qpath))
     if not file.is_file():
         raise OverlayError(f"{file}: overlay file missing from the bundle")
-    if not stays_inside(ov, file):
-        raise OverlayError(f"{file}: a link out of the bundle folder; refusing to read it")
     return qconfig, file
 
 

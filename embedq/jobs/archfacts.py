@@ -32,6 +32,8 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+from embedq.errors import CheckpointError
+
 PACKAGED = Path(__file__).with_name("archfacts.json")
 
 
@@ -149,6 +151,26 @@ def hf_config(config: dict):
             return AutoConfig.for_model(model_type, **d)
     except Exception:
         return None
+
+
+def transformers_config(path):
+    """transformers' config object of the checkpoint folder ``path``. A config.json that
+    transformers refuses (its validators raise many exception types) is one
+    :class:`CheckpointError` line here, before the folder is handed to ``from_pretrained``."""
+    from transformers import AutoConfig, PretrainedConfig
+    where = Path(path) / "config.json"
+    try:
+        with _quiet():
+            cfg = AutoConfig.from_pretrained(str(path))
+            text = cfg.get_text_config(decoder=True)
+    except Exception as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise CheckpointError(f"{where}: transformers cannot use it "
+                              f"({type(e).__name__}: {lines[-1][:200] if lines else ''})") from None
+    if not isinstance(text, PretrainedConfig):  # e.g. a text_config that model_type does not have
+        raise CheckpointError(f"{where}: its text config is a plain {type(text).__name__}, not one "
+                              f"{type(cfg).__name__} builds (a text_config this model_type does not have?)")
+    return cfg
 
 
 @contextlib.contextmanager

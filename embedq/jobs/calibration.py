@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 
 from embedq.errors import EvalError, SchemeError
+from embedq.format.checkpoint import check_folder_reads, check_weights
 from embedq.format.constants import QUANT_METHOD
+from embedq.format.files import inside
+from embedq.jobs.archfacts import transformers_config
 from embedq.quant.gptq import DEFAULT_DAMP, Calibration
 
 CALIB_CONTEXTS = 48
@@ -95,8 +98,9 @@ def quiet_transformers():
 
 def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str | None = None):
     """The float model: the checkpoint loaded with its embedq quantization_config removed."""
-    import transformers
-    cfg = transformers.AutoConfig.from_pretrained(str(reference))
+    check_folder_reads(reference)
+    check_weights(reference)
+    cfg = transformers_config(reference)
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         qc = getattr(c, "quantization_config", None)
         if qc is not None:
@@ -115,6 +119,7 @@ def load_reference(reference: Path, model_class, dtype: torch.dtype, device: str
 
 def load_tokenizer(folder: Path):
     import transformers
+    check_folder_reads(folder)
     try:
         with quiet_transformers():
             return transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -157,10 +162,14 @@ def text_contexts(tokenizer, text: str, contexts: int, length: int, bos: int | N
 
 def config_bos(p: Path) -> int | None:
     try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = json.loads(inside(p, "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return None
-    return (cfg.get("text_config") or {}).get("bos_token_id", cfg.get("bos_token_id"))
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    bos = (text if isinstance(text, dict) else {}).get("bos_token_id", cfg.get("bos_token_id"))
+    return bos if type(bos) is int and bos >= 0 else None
 
 def default_calibration_text() -> tuple[str, str]:
     """(text, description): docstrings of :data:`CALIB_MODULES`, in a fixed order."""
@@ -204,7 +213,7 @@ def collect_calibration(path: str | os.PathLike, *, text: str | os.PathLike | No
     tok = load_tokenizer(p)
     bos = tok.bos_token_id if tok.bos_token_id is not None else config_bos(p)
     ids = text_contexts(tok, body, contexts, length, bos)
-    cfg = transformers.AutoConfig.from_pretrained(str(p))
+    cfg = transformers_config(p)
     arch = (getattr(cfg, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:

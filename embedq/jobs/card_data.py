@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embedq.errors import EmbedqError
+from embedq.format.files import stays_inside
 
 CARD_NAME = "README.md"
 EVAL_NAME = "embedq-eval.json"
@@ -105,6 +106,8 @@ def read_source_card(path: Path) -> tuple[dict, str | None]:
     f = Path(path) / CARD_NAME
     if not f.is_file():
         return {}, None
+    if not stays_inside(path, f):
+        return {}, f"{f}: a link out of the folder; not read, license not copied"
     try:
         from huggingface_hub import ModelCard
         import logging

@@ -17,7 +17,7 @@ from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
 from embedq.format.config import build_config, parse_config
-from embedq.format.files import check_writable, link_or_copy, write_json_atomic
+from embedq.format.files import check_writable, link_or_copy, stays_inside, write_json_atomic
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
 from embedq.jobs.card import check_card_inputs, write_card
@@ -114,20 +114,6 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-
-
-def stays_inside(folder: Path, p: Path) -> bool:
-    """Whether ``p`` (a link, maybe) resolves inside ``folder``, or, for a Hugging Face
-    cache snapshot (``.../snapshots/<rev>``), into that repository's ``blobs/``."""
-    folder = Path(folder)
-    try:
-        real = Path(p).resolve(strict=True)
-    except (OSError, RuntimeError):
-        return False
-    roots = [folder.resolve()]
-    if folder.parent.name == "snapshots":
-        roots.append((folder.parent.parent / "blobs").resolve())
-    return any(real == r or r in real.parents for r in roots)
 
 
 def check_output(source: Path, output: Path, force: bool) -> Path:

@@ -31,7 +31,7 @@ from embedq.errors import OverlayError
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
-from embedq.format.files import write_bytes_atomic, write_json_atomic
+from embedq.format.files import inside, stays_inside, write_bytes_atomic, write_json_atomic
 
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"
@@ -138,7 +138,7 @@ def stale_reason(path: Path, backup: dict[str, bytes]) -> str | None:
     path = Path(path)
     orig = _json(backup[CONFIG_NAME])
     try:
-        disk = _json((path / CONFIG_NAME).read_bytes())
+        disk = _json(inside(path, CONFIG_NAME).read_bytes())
     except FileNotFoundError:
         return f"{CONFIG_NAME} is gone"
     if not isinstance(orig, dict) or not isinstance(disk, dict):
@@ -153,7 +153,7 @@ def stale_reason(path: Path, backup: dict[str, bytes]) -> str | None:
     if (INDEX_NAME in backup) != has_index:
         return f"{INDEX_NAME} was {'added' if has_index else 'removed'} after embedq backed up"
     if has_index:
-        oi, di = _json(backup[INDEX_NAME]), _json((path / INDEX_NAME).read_bytes())
+        oi, di = _json(backup[INDEX_NAME]), _json(inside(path, INDEX_NAME).read_bytes())
         if not isinstance(oi, dict) or not isinstance(oi.get("weight_map"), dict) or not isinstance(di, dict):
             return f"{INDEX_NAME} or its backup has no weight_map"
         if di != oi:
@@ -185,7 +185,7 @@ def write_backup(path: Path) -> dict[str, bytes]:
         files = [CONFIG_NAME] + ([INDEX_NAME] if (path / INDEX_NAME).exists() else [])
         saved, links = {}, {}
         for name in files:
-            src = path / name
+            src = inside(path, name)
             if src.is_symlink():  # a HF cache snapshot: restored as the same link
                 links[name] = os.readlink(src)
             data = src.read_bytes()
@@ -234,8 +234,8 @@ def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
     target = path / name
     if link is not None:
         dest = (path / link) if not os.path.isabs(link) else Path(link)
-        try:
-            same = dest.is_file() and dest.read_bytes() == data
+        try:  # a link state.json records is recreated only where reads may go (blobs/)
+            same = stays_inside(path, dest) and dest.is_file() and dest.read_bytes() == data
         except OSError:
             same = False
         if same:  # recreate the link (e.g. to a HF cache blob); never write through it
@@ -247,7 +247,7 @@ def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
             os.symlink(link, tmp)
             os.replace(tmp, target)
             return
-    if target.is_symlink() or not target.exists() or target.read_bytes() != data:
+    if target.is_symlink() or not target.exists() or inside(path, name).read_bytes() != data:
         write_bytes_atomic(target, data)
 
 
@@ -368,7 +368,7 @@ def _remove(p: Path) -> list[str]:
                            f"(and {OVERLAY_NAME}/{QCONFIG_NAME} if no longer wanted) by hand")
     if backup is None:
         try:
-            cfg = json.loads((p / CONFIG_NAME).read_text())
+            cfg = json.loads(inside(p, CONFIG_NAME).read_text())
         except (ValueError, RecursionError):
             cfg = {}
         qc = (cfg.get("quantization_config") if isinstance(cfg, dict) else None) or {}

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from embedq.errors import OverlayError
-from embedq.format.checkpoint import INDEX_NAME, Checkpoint
+from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from embedq.format.config import ModuleEntry
 from embedq.format.reader import load_overlay
 from embedq.format.dtypes import dtype_from_name
@@ -75,10 +75,11 @@ def verify_overlay(path: str | os.PathLike) -> Report:
                 got = hashlib.sha256(f.get_tensor(tname).contiguous().view(torch.uint8).numpy()).hexdigest()
                 if got != digest:
                     raise OverlayError(f"{file}: tensor {tname} does not match its recorded checksum")
-    try:
-        ckpt = Checkpoint.open(p)
-    except Exception:
-        ckpt = None
+    # A folder with weights is checked against them (a corrupt or foreign shard is an
+    # error, not a skipped check); an overlay-only bundle has no source tables.
+    has_weights = (p / INDEX_NAME).exists() or (p / INDEX_NAME).is_symlink() or any(
+        x.name != file.name for x in p.glob("*.safetensors"))
+    ckpt = Checkpoint.open(p) if has_weights and (p / CONFIG_NAME).exists() else None
     if ckpt is not None and ckpt.index is not None:
         declared = cfg.tensors()
         wm = ckpt.index.get("weight_map") or {}

@@ -117,6 +117,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
     from embedq.quality.evaluate import (default_text, load_reference, load_tokenizer, read_text,
                                  text_contexts, token_stats)
     from embedq.format.checkpoint import Checkpoint
+    from embedq.jobs.archfacts import transformers_config
     from embedq.jobs.overlay import plan_modules
     from embedq.quant.stream import default_chunk_rows
 
@@ -130,7 +131,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
     body, desc = read_text(text) if text is not None else default_text()
     tok = load_tokenizer(p)
     ctx = text_contexts(tok, body, contexts, length, tok.bos_token_id)
-    cfg = transformers.AutoConfig.from_pretrained(str(p))
+    cfg = transformers_config(p)
     arch = (getattr(cfg, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     model = load_reference(p, cls or transformers.AutoModelForCausalLM, torch.float32)

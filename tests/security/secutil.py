@@ -102,3 +102,36 @@ def set_source_row(folder: Path, tensor: str, row: int, value: float) -> None:
     t[tensor][row, 3] = value
     file.unlink()
     save_file(t, str(file), metadata=meta)
+
+
+# --- the fuzz suites (test_fuzz_files.py): one harness, counts printed at the end ---------
+
+FUZZ_COUNTS: dict[str, dict[str, int]] = {}
+
+
+def begin(test: str) -> None:
+    """Count one fuzz example of ``test``."""
+    count(test, "")
+
+
+def count(test: str, outcome: str) -> None:
+    """Record one fuzz example's outcome; tests/security/conftest.py prints the table."""
+    d = FUZZ_COUNTS.setdefault(test, {})
+    d[outcome] = d.get(outcome, 0) + 1
+
+
+def ends_cleanly(*args) -> tuple[bool, str]:
+    """Run the CLI; it must succeed or print one ``embedq: error:`` line (exit 2), never a
+    traceback. ``(succeeded, output)``."""
+    import traceback
+    code, out, exc = run_cli(*args)
+    if exc is not None and not isinstance(exc, SystemExit):
+        raise AssertionError(f"embedq {' '.join(map(str, args))}: traceback\n"
+                             + "".join(traceback.format_exception(exc)))
+    assert "Traceback" not in out, out
+    if code == 0:
+        return True, out
+    assert code == 2, (code, out)
+    errs = [ln for ln in out.splitlines() if ln.startswith("embedq: error:")]
+    assert len(errs) == 1, out
+    return False, out

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from embedq.errors import EmbedqError
+from embedq.errors import EmbedqError, UnsafePathError
+from embedq.format.files import inside
 
 
 MS_DOMAIN = "com.microsoft"
@@ -158,14 +158,29 @@ class TensorRef:
             return self._arr
         dt = _np_dtype(self.elem_type)
         shape = tuple(self.dims)
+        where = f"{self.model_path or self.base_dir}: initializer {self.proto.name!r}"
+        if any(d < 0 for d in shape):
+            raise OnnxError(f"{where}: negative dims {list(shape)}")
+        need = self.nbytes()
         if self.external:
-            path, off, _ = external_data(self.proto, self.base_dir, self.model_path)
-            self._arr = np.memmap(path, dtype=dt, mode="r", offset=off, shape=shape)
+            path, off, length = external_data(self.proto, self.base_dir, self.model_path)
+            size = path.stat().st_size
+            if (length is not None and length != need) or off + need > size:
+                raise OnnxError(f"{where}: external data ({path.name}, offset {off}, length {length}) "
+                                f"does not hold its {need} bytes (file {size} bytes)")
+            self._arr = np.memmap(path, dtype=dt, mode="r", offset=off, shape=shape) if need else \
+                np.zeros(shape, dtype=dt)
         elif self.proto.HasField("raw_data"):
+            if len(self.proto.raw_data) != need:
+                raise OnnxError(f"{where}: raw_data holds {len(self.proto.raw_data)} bytes, dims "
+                                f"{list(shape)} need {need}")
             self._arr = np.frombuffer(self.proto.raw_data, dtype=dt).reshape(shape)
         else:
             from onnx import numpy_helper
-            a = numpy_helper.to_array(self.proto)
+            try:
+                a = numpy_helper.to_array(self.proto)
+            except (ValueError, TypeError) as e:
+                raise OnnxError(f"{where}: values do not fit dims {list(shape)} ({e})") from None
             self._arr = a.view(np.uint16) if self.elem_type == tensor_proto().BFLOAT16 else a
         return self._arr
 
@@ -188,24 +203,18 @@ def external_data(proto, base_dir: Path, model_path: Path | None = None) -> tupl
     """(file, offset, length or None) of a tensor's external data, refused unless safe.
 
     As onnx's checker requires, ``location`` must be a relative path that stays inside
-    the model's folder (no absolute path, no ``..`` out of it, no symlink leading out):
-    a model file must not make embedq read, or copy into its output, arbitrary files.
+    the model's folder (:func:`embedq.format.files.inside`: no absolute path, no ``..``,
+    no link leading out but into a Hugging Face cache's ``blobs/``): a model file must
+    not make embedq read, or copy into its output, arbitrary files.
     """
     info = {e.key: e.value for e in proto.external_data}
     where = f"{model_path or base_dir}: initializer {proto.name!r}"
     loc = info.get("location", "")
-    base = Path(base_dir).resolve()
-    bad = (not loc or "\0" in loc or os.path.isabs(loc) or loc.startswith(("/", "\\"))
-           or (len(loc) > 1 and loc[1] == ":"))  # a Windows drive is absolute too
-    path = base / loc
-    if not bad:
-        try:
-            path.resolve().relative_to(base)
-        except ValueError:
-            bad = True
-    if bad:
+    try:
+        path = inside(base_dir, loc)
+    except UnsafePathError:
         raise OnnxError(f"{where}: external data location {loc!r} is not a relative path inside "
-                        f"the model's folder {base}; refusing to read it")
+                        f"the model's folder {Path(base_dir).resolve()}; refusing to read it") from None
     path = path.resolve()
     if not path.is_file():
         raise OnnxError(f"{where}: external data file {path} is missing")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from embedq.format.constants import QUANT_METHOD
+from embedq.format.checkpoint import check_folder_reads
 from embedq.backends.onnx.common import META_PREFIX, PROTOBUF_LIMIT, OnnxError
 from embedq.backends.onnx.patch import OnnxReport, load_onnx_model, patch_model
 
@@ -38,6 +39,7 @@ def load_float_model(model_dir: str | os.PathLike, overlay: str | os.PathLike | 
 
     from embedq.format.reader import load_overlay
     p = Path(model_dir)
+    check_folder_reads(p)
     try:
         cfg = tf.AutoConfig.from_pretrained(p)
     except Exception as e:

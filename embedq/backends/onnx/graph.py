@@ -6,7 +6,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from embedq.format.constants import is_head_name
-from embedq.backends.onnx.common import float_types, iter_graphs, TensorRef
+from embedq.backends.onnx.common import OnnxError, float_types, iter_graphs, TensorRef
+
+
+# ------------------------------------------------------------------ well-formedness
+
+def check_structure(model, where) -> None:
+    """Refuse a graph embedq would otherwise patch into an equally broken one: as the ONNX
+    spec requires, a default-domain opset, and nodes in topological order, each input a
+    graph input, an initializer, an outer-scope value or an earlier node's output (a
+    missing input or a cycle fails this), every value produced once, every graph output
+    produced."""
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        raise OnnxError(f"{where}: no opset_import for the default ONNX domain")
+    _check_graph(model.graph, frozenset(), where)
+
+
+def _check_graph(g, outer: frozenset, where) -> None:
+    from onnx import AttributeProto
+    given = {i.name for i in g.input} | {i.name for i in g.initializer} | \
+        {s.values.name for s in g.sparse_initializer}
+    names = [i.name for i in g.initializer]
+    if len(set(names)) != len(names):
+        dup = sorted(x for x in set(names) if names.count(x) > 1)[0]
+        raise OnnxError(f"{where}: initializer {dup!r} is defined twice")
+    known = set(outer) | given
+    produced: set[str] = set()
+    for n in g.node:
+        label = n.name or n.op_type
+        for x in n.input:
+            if x and x not in known:
+                raise OnnxError(f"{where}: node {label!r} reads {x!r}, which no graph input, initializer "
+                                "or earlier node provides (a missing input, or a cycle)")
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == AttributeProto.GRAPH else
+                        list(a.graphs) if a.type == AttributeProto.GRAPHS else []):
+                _check_graph(sub, frozenset(known), where)
+        for o in n.output:
+            if not o:
+                continue
+            if o in produced or o in given:
+                raise OnnxError(f"{where}: value {o!r} is produced twice (node {label!r})")
+            produced.add(o)
+            known.add(o)
+    for o in g.output:
+        if o.name not in known:
+            raise OnnxError(f"{where}: graph output {o.name!r} is produced by no node")
 
 
 # ------------------------------------------------------------------ graph matching

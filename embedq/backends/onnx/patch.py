@@ -17,9 +17,11 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DO
                                          onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points,
                                          require_onnx)
 from embedq.backends.onnx.common import external_data as _external_file
-from embedq.backends.onnx.graph import find_gathers, find_heads, GraphIndex, TableMatch, overlay_targets
+from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
+                                        overlay_targets)
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.write import write_model
+from embedq.format.files import check_links, inside, name_problem
 
 
 # ---------------------------------------------------------------------- the report
@@ -165,6 +167,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         raise OnnxError(f"accuracy_level {accuracy_level}: expected 0-4 (MatMulNBits)")
     cfg = read_overlay_config(ov_path)
     mp = load_onnx_model(src_path)
+    check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
     check_external_data(mp, src_path.parent, src_path)
     P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level)
@@ -446,14 +449,16 @@ def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: b
                         execution_provider: str | None) -> OnnxReport:
     """Patch the decoder of an onnxruntime-genai folder into ``out``, a complete folder."""
     import shutil
+    # Everything of the folder is read or copied into the output: no link may lead out.
+    check_links(src)
     try:
-        gcfg = json.loads((src / GENAI_CONFIG).read_text())
+        gcfg = json.loads(inside(src, GENAI_CONFIG).read_text())
         fname = gcfg["model"]["decoder"]["filename"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise OnnxError(f"{src / GENAI_CONFIG}: no model.decoder.filename ({e})") from None
-    model = (src / fname)
-    if Path(fname).is_absolute() or ".." in Path(fname).parts or not model.is_file():
-        raise OnnxError(f"{src / GENAI_CONFIG}: decoder {fname!r} is not a model file in {src}")
+    if name_problem(fname) or not (src / fname).is_file():
+        raise OnnxError(f"{src / GENAI_CONFIG}: decoder {str(fname)[:200]!r} is not a model file in {src}")
+    model = inside(src, fname, named_by=f"{src / GENAI_CONFIG}: decoder")
     in_place = out.exists() and out.resolve() == src.resolve()
     if in_place and not force:
         raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")

@@ -33,7 +33,10 @@ from embedq.backends.transformers.modules import (PackedTable, QuantizedEmbeddin
                                                   resolve_targets)
 from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, QUANT_METHOD
-from embedq.format.reader import read_overlay_config
+from embedq.format.checkpoint import check_folder_reads, check_weights
+from embedq.jobs.archfacts import transformers_config
+from embedq.format.files import inside
+from embedq.format.reader import check_overlay_header, parse_overlay_config, read_overlay_config
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,13 +66,20 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     p = Path(path)
     if not p.is_dir():
         raise OverlayError(f"{p}: no such checkpoint folder")
-    read_overlay_config(p)  # clear error when there is no overlay
+    parsed = parse_overlay_config(p)  # clear error when there is no overlay
+    # transformers reads the folder by itself: nothing outside it, and only headers
+    # embedq has checked (the weights' and the overlay's), so that bad input is one line.
+    check_folder_reads(p)
+    if (p / CONFIG_NAME).is_file():
+        check_weights(p)
+    if (p / parsed.overlay).exists():
+        check_overlay_header(inside(p, parsed.overlay), parsed)
     register()
     import transformers
+    cfg = transformers_config(p)  # a config transformers refuses is one line, here
     if model_class is None:
         model_class = _architecture_class(p)
     if model_class is None:
-        cfg = transformers.AutoConfig.from_pretrained(str(p))
         model_class = transformers.AutoModelForCausalLM
         if type(cfg) not in transformers.AutoModelForCausalLM._model_mapping:
             model_class = getattr(transformers, "AutoModelForImageTextToText", model_class)
@@ -77,7 +87,6 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     if qc is None:
         # overlay-only bundle or a config.json without the quantization_config:
         # pass it explicitly so that transformers routes through embedq.
-        cfg = transformers.AutoConfig.from_pretrained(str(p))
         cfg.quantization_config = read_overlay_config(p)
         from_pretrained_kwargs.setdefault("config", cfg)
     result = model_class.from_pretrained(str(p), **from_pretrained_kwargs)
@@ -92,8 +101,8 @@ def _architecture_class(p: Path):
     transformers class, e.g. remote code; the auto classes decide then)."""
     import transformers
     try:
-        arch = json.loads((p / CONFIG_NAME).read_text()).get("architectures")
-    except (OSError, ValueError):
+        arch = json.loads(inside(p, CONFIG_NAME).read_text()).get("architectures")
+    except (OSError, ValueError, RecursionError, AttributeError):
         return None
     if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
         return None
@@ -103,8 +112,8 @@ def _architecture_class(p: Path):
 
 def _config_quantization(p: Path) -> dict | None:
     try:
-        qc = json.loads((p / CONFIG_NAME).read_text()).get("quantization_config")
-    except (OSError, ValueError):
+        qc = json.loads(inside(p, CONFIG_NAME).read_text()).get("quantization_config")
+    except (OSError, ValueError, RecursionError, AttributeError):
         return None
     return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
 
