@@ -45,9 +45,14 @@ def quantize(
     eval_file: Optional[Path] = typer.Option(None, "--eval", help="`embedq eval --json` results to put in the model card"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars"),
+    profile: bool = typer.Option(False, "--profile", help="Print CPU seconds per stage and thread to stderr (as EMBEDQ_PROFILE=1)"),
 ) -> None:
     """Quantize the embedding (and head) of MODEL into an overlay."""
-    from embedq.jobs.quantize import quantize_checkpoint
+    from embedq.quant.profile import PROFILE, stage
+    if profile:
+        PROFILE.enable()
+    with stage("imports: embedq.jobs.quantize (torch, ...)"):
+        from embedq.jobs.quantize import quantize_checkpoint
     if trust_config and trust_tensors:
         fail(EmbedqError("--trust-config and --trust-tensors exclude each other"))
     trust = "config" if trust_config else "tensors" if trust_tensors else None

@@ -25,6 +25,7 @@ from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see do
 from embedq.jobs.derived import check_output, write_derived
 from embedq.jobs.overlay import plan_modules, write_overlay
 from embedq.jobs.report import Report
+from embedq.quant.profile import stage
 
 
 def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: int | None = None,
@@ -54,7 +55,8 @@ def quantize_checkpoint(path: str | os.PathLike, bits: int = 8, *, group_size: i
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool)
                                    or chunk_rows < 1):
         raise SchemeError(f"--chunk-rows {chunk_rows!r}: must be a positive number of rows")
-    ckpt = Checkpoint.open(path)
+    with stage("open checkpoint (config, index)"):
+        ckpt = Checkpoint.open(path)
     if output is not None:  # the source is only read (it may be a read-only cache)
         check_output(ckpt.path, Path(output), force)
         return _quantize(ckpt, t0, **_args(locals()))
@@ -76,7 +78,8 @@ def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, metho
               trust, scale_dtype, chunk_rows, progress, base_model, base_revision, eval_results,
               calibration) -> Report:
     notes: list[str] = []
-    base_qc = state.base_state(ckpt, force, derived=output is not None, warnings=notes)
+    with stage("base state (existing overlay, config)"):
+        base_qc = state.base_state(ckpt, force, derived=output is not None, warnings=notes)
     scheme = Scheme.default(bits, symmetric, group_size, method, scale_dtype)
     head_scheme = None
     if head_bits is not None or head_group_size is not None or head_symmetric is not None:
@@ -84,8 +87,9 @@ def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, metho
         hg = head_group_size if head_group_size is not None else (group_size if hb == bits else None)
         head_scheme = Scheme.default(hb, symmetric if head_symmetric is None else head_symmetric,
                                      hg, method, scale_dtype)
-    plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
-                                        targets=targets, trust=trust)
+    with stage("target discovery + tie check"):
+        plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
+                                            targets=targets, trust=trust)
     for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
         if p.scheme.method == "gptq" and p.role != "head" and not any(
                 is_head_name(a) for a in p.aliases):
@@ -107,8 +111,9 @@ def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, metho
                                              chunk_rows, progress, calibration)
     qconfig = build_config(entries, tied, aliases, base_qc)
     try:
-        parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
-        state.commit_in_place(ckpt, writer, qconfig)
+        with stage("commit (config, index, rename, fsync)"):
+            parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
+            state.commit_in_place(ckpt, writer, qconfig)
     except BaseException:
         writer.abort()
         raise
