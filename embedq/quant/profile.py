@@ -120,7 +120,10 @@ class Profile:
         _, pmn, pmj = _usage(resource.RUSAGE_SELF)
         pself = time.process_time()  # all threads, precise (getrusage's is tick-based)
         child, _, _ = _usage(resource.RUSAGE_CHILDREN)
-        known = sum(v[0] for v in threads.values())
+        # Threads without a recorded total (a pool's): their stages are named; the rest of
+        # the process CPU is theirs or foreign (torch's intra-op pool, ...).
+        known = sum(v[0] for v in threads.values()) + sum(
+            r["cpu_s"] for r in rows if r["thread"] not in threads)
         rows.append({"thread": "other threads", "stage": "torch intra-op pool, ...", "cpu_s": pself - known,
                      "wall_s": None, "minor_faults": None, "major_faults": None, "calls": None})
         if child:

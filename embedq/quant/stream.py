@@ -375,8 +375,12 @@ class Pipeline:
         reader = threading.Thread(target=self._reader, args=(read_q,), name="embedq-read", daemon=True)
         writer = threading.Thread(target=self._writer, args=(write_q,), name="embedq-write", daemon=True)
         old_threads = torch.get_num_threads()
+        # Kernel threads (native: row ranges of a chunk; others: torch's intra-op pool):
+        # cores - 2 leaves the reader and writer a core each, but at least 2 where there are
+        # 2 cores: the reader and writer need well under a core, and the kernel takes the rest.
+        cores = os.cpu_count() or 1
         kt = self.kernel_threads or int(os.environ.get("EMBEDQ_KERNEL_THREADS", "0") or 0) \
-            or max(1, (os.cpu_count() or 1) - 2)
+            or min(cores, max(2, cores - 2))
         started = []
         try:
             torch.set_num_threads(min(kt, old_threads))
