@@ -266,7 +266,6 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
     from onnx import helper
 
     from embedq.format.config import scheme_of
-    from embedq.format.digest import digest_for
     G, cfg, ov = P.G, P.cfg, P.ov
     new_tensors: dict[str, np.ndarray] = {}
     made: dict[str, dict] = {}
@@ -407,6 +406,7 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
 
     from embedq.version import __version__
     from embedq.format.config import scheme_of
+    from embedq.format.digest import digest_for
     cfg, mp = P.cfg, P.mp
     tables = sorted({r.table for r in reports})
     algo = digest_for(cfg["format_version"])  # the metadata key names the digest: source_blake3
