@@ -80,6 +80,7 @@ STAGE_GROUPS = [
     ("start-up+imports", ("start-up", "imports")),
     ("targets+config", ("open checkpoint", "base state", "target discovery", "kernel: load",
                         "overlay: create", "commit")),
+    ("kernel build", ("C compiler",)),  # the child cc process, first run only
     ("kernel", ("kernel: quantize", "kernel: pack zero")),
     ("finite", ("finite check",)),
     ("hash src", ("read: hash source",)),
