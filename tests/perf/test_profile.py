@@ -70,14 +70,22 @@ def test_finite_tables_skip_the_full_finite_pass(tmp_path, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("kernel", ["native", "eager", "float16"])
 @pytest.mark.parametrize("bits,group,sym", [(8, None, True), (4, 32, False)])
 @pytest.mark.parametrize("value,word", [(float("nan"), "NaN"), (float("inf"), "an infinity")])
-def test_non_finite_row_is_named_from_the_statistics(tmp_path, bits, group, sym, value, word):
+def test_non_finite_row_is_named_from_the_statistics(tmp_path, monkeypatch, kernel, bits, group, sym,
+                                                     value, word):
+    """Every kernel's statistics flag the chunk (native C; eager reference; float16 tables,
+    which the native kernel does not read), and the exact check names the row."""
     from safetensors.torch import load_file, save_file
 
     from embedq.quant.stream import NonFiniteSource
+    if kernel == "eager":
+        monkeypatch.setenv("EMBEDQ_COMPILE", "0")
     ck = _checkpoint(tmp_path / "m", 700, 256)
     t = load_file(str(ck / "model.safetensors"))
+    if kernel == "float16":
+        t = {k: v.to(torch.float16) for k, v in t.items()}
     t["lm_head.weight"][389, 17] = value
     save_file(t, str(ck / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(NonFiniteSource, match=f"row 389 holds {word}") as e:
