@@ -112,6 +112,9 @@ def _register_with_transformers() -> None:
         return
     if os.path.basename(sys.argv[0] if sys.argv else "") == "embedq":
         return
+    orig = getattr(sys, "orig_argv", [])
+    if "-m" in orig[:-1] and orig[orig.index("-m") + 1] in ("embedq", "embedq.cli"):
+        return  # `python -m embedq.cli`: the command, spelled otherwise
     if find_spec("transformers") is None:
         return
     from embedq.backends.transformers import register

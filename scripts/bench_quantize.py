@@ -21,11 +21,24 @@ One run does four things (see docs/performance.md for results and how to read th
    ``save_pretrained(save_compressed=True)``) on the real Gemma 3 270M checkpoint, in its
    own venv (scripts/setup_llmcompressor_venv.sh), and embedq on the same checkpoint.
 
-Prints a table and writes JSON to ``bench-results/bench-<timestamp>.json``.
+Every embedq run is profiled (``EMBEDQ_PROFILE``, :mod:`embedq.quant.profile`): a second
+table gives its CPU seconds per stage (start-up and imports, kernel, source hash, output
+hash, pwrite+fsync, page mapping, per-chunk Python, ...) beside the ratios, with the sum of
+the stages against the process's own CPU time. The load average is printed with each run:
+on a shared machine, read wall-time ratios taken at a load above ~2 as upper bounds.
 
-    python scripts/bench_quantize.py            # everything (~5 GB of disk in the cache)
-    python scripts/bench_quantize.py --small    # quick variant
-    python scripts/bench_quantize.py --skip-peer --repeat 2
+Prints the tables and writes JSON to ``bench-results/bench-<shape>-<timestamp>.json``.
+
+To rerun alone on a quiet machine (``uptime`` load < 1), from the repository root with the
+project's venv (``PYTHONPATH=.`` picks this tree's embedq)::
+
+    PYTHONPATH=. python scripts/bench_quantize.py --shape 27b --skip-peer          # 5.1 GB, the 27B shape
+    PYTHONPATH=. python scripts/bench_quantize.py --shape 14b --skip-peer --skip-startup  # 3.1 GB untied 14B
+    PYTHONPATH=. python scripts/bench_quantize.py --skip-synthetic                 # Gemma 3 270M vs llm-compressor
+    PYTHONPATH=. python scripts/bench_quantize.py --small --skip-peer              # quick (0.55 GB)
+
+``--repeat N`` adds warm runs per scheme, ``--schemes "Q4 g32"`` picks schemes. Each shape
+is synthesized once into ``$EMBEDQ_CACHE/bench`` (needs 1.2x its size free on disk).
 """
 
 from __future__ import annotations
@@ -57,7 +70,45 @@ PEER_SCHEMES = {  # label -> (embedq flags, llm-compressor weights args)
                                                       "strategy": "group", "group_size": 32}),
 }
 FULL = dict(name="qwen27b-shaped", vocab=248_320, hidden=5_120, intermediate=1_024, layers=2)
+# Qwen2.5-14B's untied vocabulary tables: 152,064 x 5,120 bf16, embedding and head (3.11 GB).
+Q14 = dict(name="qwen14b-shaped", vocab=152_064, hidden=5_120, intermediate=1_024, layers=2)
 SMALL = dict(name="qwen27b-shaped-small", vocab=65_536, hidden=2_048, intermediate=512, layers=2)
+SHAPES = {"27b": FULL, "14b": Q14, "small": SMALL}
+
+# Profile stages (embedq.quant.profile) -> the columns of the per-stage table.
+STAGE_GROUPS = [
+    ("start-up+imports", ("start-up", "imports")),
+    ("targets+config", ("open checkpoint", "base state", "target discovery", "kernel: load",
+                        "overlay: create", "commit")),
+    ("kernel build", ("C compiler",)),  # the child cc process, first run only
+    ("kernel", ("kernel: quantize", "kernel: pack zero")),
+    ("finite", ("finite check",)),
+    ("hash src", ("read: hash source",)),
+    ("map pages", ("read: map pages", "release pages")),
+    ("hash out", ("write: hash outputs",)),
+    ("pwrite+fsync", ("write: pwrite", "write: sync_file_range", "overlay: fsync")),
+    ("python/queues", ("pipeline:", "read: loop", "write: loop")),
+]
+
+
+def stage_summary(profile: dict) -> dict:
+    """CPU seconds per column of STAGE_GROUPS (+ ``other``: unattributed, foreign threads)."""
+    out = {k: 0.0 for k, _ in STAGE_GROUPS}
+    out["other"] = 0.0
+    for r in profile["rows"]:
+        col = next((k for k, prefixes in STAGE_GROUPS if r["stage"].startswith(prefixes)), "other")
+        out[col] += r["cpu_s"]
+    out["process CPU"] = profile["process_cpu_s"]
+    out["named %"] = 100 * profile["coverage"]
+    return out
+
+
+def stage_table(runs: list[dict]) -> str:
+    cols = [k for k, _ in STAGE_GROUPS] + ["other", "process CPU", "named %"]
+    rows = [[r["scheme"], r["compile_cache"]] + [f"{r['stages'][c]:.2f}" if c != "named %" else
+                                                  f"{r['stages'][c]:.1f}" for c in cols]
+            for r in runs if r.get("stages")]
+    return fmt_table(rows, ["scheme", "kernel cache"] + cols)
 MARKER = ".bench_complete"
 
 
@@ -249,9 +300,19 @@ def embedq_cmd(ckpt: Path, flags: list[str], lm_head: bool) -> list[str]:
 def run_embedq(ckpt: Path, flags: list[str], lm_head: bool, inductor_cache: Path,
                extra_env: dict | None = None) -> dict:
     """One ``embedq quantize`` process; compiled kernels are cached under ``inductor_cache``."""
+    prof = Path(tempfile.mkstemp(prefix="embedq-profile-", suffix=".json")[1])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache / "inductor"),
-           "EMBEDQ_KERNEL_CACHE": str(inductor_cache / "kernels"), **(extra_env or {})}
+           "EMBEDQ_KERNEL_CACHE": str(inductor_cache / "kernels"), "EMBEDQ_PROFILE": str(prof),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           **(extra_env or {})}
     r = run_measured(embedq_cmd(ckpt, flags, lm_head), env=env)
+    try:
+        r["profile"] = json.loads(prof.read_text())
+        r["stages"] = stage_summary(r["profile"])
+    except (OSError, ValueError, KeyError):
+        r["profile"] = r["stages"] = None
+    finally:
+        prof.unlink(missing_ok=True)
     if r["rc"] != 0:
         raise SystemExit(f"embedq failed ({r['rc']}):\n{r['stderr'][-3000:]}")
     rep = json.loads(r["stdout"])
@@ -370,7 +431,7 @@ def run_startup(gemma: Path, work: Path, repeat: int) -> dict:
     ck = link_checkpoint(gemma, work / "gemma3-startup")
     env = {**os.environ, "EMBEDQ_NO_TRANSFORMERS": "1"}
     out: dict = {"load_avg_before": os.getloadavg(), "inspect_s": [], "quantize_first_chunk_s": [],
-                 "quantize_total_s": [], "import_torch_s": []}
+                 "quantize_total_s": [], "import_torch_s": [], "cli_quantize_s": [], "cli_stages": []}
     for _ in range(repeat):
         r = run_measured([str(exe), "inspect", str(ck)], env=env)
         if r["rc"] != 0:
@@ -384,6 +445,16 @@ def run_startup(gemma: Path, work: Path, repeat: int) -> dict:
         first, total = map(float, p.stdout.split()[-2:])
         out["quantize_first_chunk_s"].append(first)
         out["quantize_total_s"].append(total)
+        embedq_remove(ck)
+        # The command a user types, end to end (fresh process, wall from wait4), profiled.
+        prof = work / "gemma3-startup.profile.json"
+        r = run_measured([sys.executable, "-m", "embedq.cli", "quantize", str(ck), "--force", "-q"],
+                         env={**env, "EMBEDQ_PROFILE": str(prof)})
+        if r["rc"] != 0:
+            raise SystemExit(f"embedq quantize failed:\n{r['stderr'][-2000:]}")
+        out["cli_quantize_s"].append(r["wall_s"])
+        out["cli_stages"].append(stage_summary(json.loads(prof.read_text())))
+        prof.unlink(missing_ok=True)
         embedq_remove(ck)
         r = run_measured([sys.executable, "-c", "import torch"])
         out["import_torch_s"].append(r["wall_s"])
@@ -417,8 +488,11 @@ def fmt_table(rows: list[list], head: list[str]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="65,536 x 2,048 tables instead of 248,320 x 5,120")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="27b",
+                    help="27b: 248,320 x 5,120 x 2 tables (5.1 GB); 14b: 152,064 x 5,120 x 2, "
+                         "untied (3.1 GB); small: 65,536 x 2,048 x 2 (0.55 GB)")
+    ap.add_argument("--small", action="store_true", help="the same as --shape small")
     ap.add_argument("--repeat", type=int, default=1, help="warm-cache runs per scheme (after the cold one)")
     ap.add_argument("--copy-repeat", type=int, default=3)
     ap.add_argument("--skip-peer", action="store_true", help="no llm-compressor / Gemma comparison")
@@ -431,7 +505,7 @@ def main() -> None:
     ap.add_argument("--startup-repeat", type=int, default=3)
     args = ap.parse_args()
 
-    spec = SMALL if args.small else FULL
+    spec = SMALL if args.small else SHAPES[args.shape]
     root = cache_root() / "bench"
     root.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "spec": spec, "started": _dt.datetime.now().isoformat(timespec="seconds")}
@@ -452,11 +526,17 @@ def main() -> None:
                         ("embedq inspect (wall)", "inspect_s", "<= 2"),
                         ("embedq quantize: start -> first chunk", "quantize_first_chunk_s", "<= 3"),
                         ("embedq quantize: whole run", "quantize_total_s", ""),
+                        ("python -m embedq.cli quantize (end to end)", "cli_quantize_s", "<= 3.0"),
                         ("python -c 'import torch' (for scale)", "import_torch_s", "")]]
             out_lines += [f"Start-up on Gemma 3 270M, fresh process each, {args.startup_repeat} runs; "
                           f"load average {st['load_avg_before'][0]:.2f} before, "
                           f"{st['load_avg_after'][0]:.2f} after",
                           fmt_table(rows, ["step", "min s", "median s", "max s", "goal s"]), ""]
+            if st["cli_stages"]:
+                cols = [k for k, _ in STAGE_GROUPS] + ["other", "process CPU"]
+                out_lines += ["CPU seconds per stage of the end-to-end Gemma runs (EMBEDQ_PROFILE)",
+                              fmt_table([[str(i + 1)] + [f"{s[c]:.2f}" for c in cols]
+                                         for i, s in enumerate(st["cli_stages"])], ["run"] + cols), ""]
         if not args.skip_synthetic:
             ckpt = synthesize(spec, root)
             embedq_remove(ckpt)
@@ -498,7 +578,10 @@ def main() -> None:
                     for r in runs]
             out_lines += [f"embedq quantize --lm-head on {spec['name']} "
                           f"({spec['vocab']:,} x {spec['hidden']:,} bf16 x 2 tables = {src_bytes / 1e9:.2f} GB)",
-                          fmt_table(rows, head), ""]
+                          fmt_table(rows, head), "",
+                          "CPU seconds per stage of the same runs (EMBEDQ_PROFILE; 'named %': the stages' "
+                          "share of the process CPU time, children included)",
+                          stage_table(runs), ""]
         if not args.skip_peer:
             sys.path.insert(0, str(REPO / "scripts"))
             from make_gemma3_fixture import ensure_gemma3_270m
@@ -530,7 +613,7 @@ def main() -> None:
     print(text)
     result["table"] = text
     args.out.mkdir(parents=True, exist_ok=True)
-    dest = args.out / f"bench-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    dest = args.out / f"bench-{spec['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     dest.write_text(json.dumps(result, indent=2, default=str))
     log(f"wrote {dest}")
 

@@ -50,9 +50,13 @@ def quantize(
     eval_file: Optional[Path] = typer.Option(None, "--eval", help="`embedq eval --json` results to put in the model card"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars"),
+    profile: bool = typer.Option(False, "--profile", help="Print CPU seconds per stage and thread to stderr (as EMBEDQ_PROFILE=1)"),
 ) -> None:
     """Quantize the embedding (and head) of MODEL into an overlay."""
     from embedq.jobs.recipe import QuantizeRecipe
+    from embedq.quant.profile import PROFILE, stage
+    if profile:
+        PROFILE.enable()
     if trust_config and trust_tensors:
         fail(EmbedqError("--trust-config and --trust-tensors exclude each other"))
     recipe = run(QuantizeRecipe.from_options, bits, group_size=group_size,
@@ -70,7 +74,8 @@ def quantize(
         report, sel = run(quantize_auto, model, recipe, log=log)
         typer.echo(report.to_json() if as_json else sel.table() + "\n" + report.table())
         return
-    from embedq.jobs.quantize import quantize_checkpoint
+    with stage("imports: embedq.jobs.quantize (torch, ...)"):
+        from embedq.jobs.quantize import quantize_checkpoint
     report = run(quantize_checkpoint, model, recipe)
     typer.echo(report.to_json() if as_json else report.table())
 
@@ -120,7 +125,24 @@ publish_verbs.register(app)
 
 
 def main() -> None:  # pragma: no cover
-    app()
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if "torch" in sys.modules:
+        # Skip the interpreter's teardown: with torch loaded it takes ~1 s of wall (module
+        # destructors), more than a small job. Every output is closed and fsynced by now;
+        # atexit handlers (the profile report) still run.
+        import atexit
+        import os
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

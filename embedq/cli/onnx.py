@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Rewrite MODEL's embedding Gather and head MatMul to read the overlay's bytes.
 
-        The float table must be the overlay's source (checked by sha256 or, for a
+        The float table must be the overlay's source (checked by its recorded digest or, for a
         float16 graph of a bfloat16 model, sampled rows); anything else is refused.
         """
         backend = _backend()

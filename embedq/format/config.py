@@ -18,14 +18,15 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from embedq.errors import EmbedqError, OverlayError
-from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUANT_METHOD, ROLES,
-                                     ST_FLOAT_NAMES, SUPPORTED_BITS, is_embedding_name, may_replace,
-                                     is_head_name)
+from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUANT_METHOD,
+                                     READABLE_FORMAT_VERSIONS, ROLES, ST_FLOAT_NAMES, SUPPORTED_BITS,
+                                     is_embedding_name, may_replace, is_head_name)
+from embedq.format.digest import DIGEST, VERSION_DIGESTS, digest_for
 from embedq.format.scheme import Scheme
 
 # A module or tensor name: dotted identifiers, as in a PyTorch state dict.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HEX256 = re.compile(r"[0-9a-f]{64}")  # sha256 and BLAKE3 (32-byte output) alike
 MAX_NAME = 256
 MAX_ROWS = 1 << 31          # no vocabulary comes near; keeps every size an int64
 MAX_COLS = 1 << 20
@@ -77,11 +78,13 @@ def module_entry(scheme: Scheme, shape: tuple[int, int], scale_dtype: str, sourc
 
 @dataclass(frozen=True)
 class SourceRef:
-    """The float tensor a module was made from."""
+    """The float tensor a module was made from; ``digest`` is its checksum (hex) in
+    ``algorithm`` (the config's: sha256 for format 1, blake3 for format 2)."""
 
     tensor: str
     dtype: str | None
-    sha256: str | None
+    digest: str | None
+    algorithm: str = DIGEST
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,12 @@ class OverlayConfig:
     aliases: Mapping[str, str]
     base_quantization_config: Mapping | None
     raw_json: str  # the validated dict, serialized (frozen); :meth:`to_dict` gives a copy
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def digest(self) -> str:
+        """The algorithm of every checksum this config records (sha256 or blake3)."""
+        return digest_for(self.format_version)
 
     def to_dict(self) -> dict:
         return json.loads(self.raw_json)
@@ -190,7 +199,7 @@ def _check_name(v: Any, where: str, what: str) -> str:
     return v
 
 
-def _entry(name: str, e: Any, where: str) -> ModuleEntry:
+def _entry(name: str, e: Any, where: str, algo: str = DIGEST) -> ModuleEntry:
     if not isinstance(e, dict):
         raise OverlayError(f"{where}: module {name}: entry must be an object, got {_show(e)}")
     scheme = _scheme(e, where, name)
@@ -229,10 +238,15 @@ def _entry(name: str, e: Any, where: str) -> ModuleEntry:
     if dt is not None and (not isinstance(dt, str) or dt not in SCALE_ST_NAMES):
         raise OverlayError(f"{where}: module {name}: source dtype must be one of "
                            f"{sorted(SCALE_ST_NAMES)}, got {_show(dt)}")
-    sha = src.get("sha256")
-    if sha is not None and (not isinstance(sha, str) or not _SHA256.fullmatch(sha)):
-        raise OverlayError(f"{where}: module {name}: source sha256 is not 64 hex digits: {_show(sha)}")
-    entry = ModuleEntry(name, scheme, role, (rows, cols), SourceRef(tensor, dt, sha))
+    other = [a for a in VERSION_DIGESTS.values() if a != algo and a in src]
+    if other:
+        raise OverlayError(f"{where}: module {name}: source records {other[0]}, but this format "
+                           f"version's checksums are {algo}")
+    sha = src.get(algo)
+    if sha is not None and (not isinstance(sha, str) or not _HEX256.fullmatch(sha)):
+        raise OverlayError(f"{where}: module {name}: source {algo} is not 64 hex digits: {_show(sha)}")
+    ref = SourceRef(tensor, dt, sha, algo)
+    entry = ModuleEntry(name, scheme, role, (rows, cols), ref)
     ck = e.get("checksums") or {}
     if not isinstance(ck, dict):
         raise OverlayError(f"{where}: module {name}: checksums must be an object, got {_show(ck)}")
@@ -241,10 +255,9 @@ def _entry(name: str, e: Any, where: str) -> ModuleEntry:
         if k not in declared:
             raise OverlayError(f"{where}: module {name}: checksum for {_show(k)}, which is not one "
                                "of its tensors")
-        if not isinstance(v, str) or not _SHA256.fullmatch(v):
+        if not isinstance(v, str) or not _HEX256.fullmatch(v):
             raise OverlayError(f"{where}: module {name}: checksum of {k} is not 64 hex digits: {_show(v)}")
-    return ModuleEntry(name, scheme, role, (rows, cols), SourceRef(tensor, dt, sha),
-                       MappingProxyType(dict(ck)))
+    return ModuleEntry(name, scheme, role, (rows, cols), ref, MappingProxyType(dict(ck)))
 
 
 def parse_config(cfg: Any, where: str) -> OverlayConfig:
@@ -254,8 +267,9 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
     if cfg.get("quant_method") != QUANT_METHOD:
         raise OverlayError(f"{where}: quant_method is {_show(cfg.get('quant_method'))}, not {QUANT_METHOD!r}")
     fv = cfg.get("format_version")
-    if not _is_int(fv) or fv != FORMAT_VERSION:
+    if not _is_int(fv) or fv not in READABLE_FORMAT_VERSIONS:
         raise OverlayError(f"{where}: unsupported format_version {_show(fv)}")
+    algo = digest_for(fv)
     overlay = cfg.get("overlay", OVERLAY_NAME)
     if overlay != OVERLAY_NAME:  # a file name of this folder, never a path
         raise OverlayError(f"{where}: overlay must be {OVERLAY_NAME!r}, got {_show(overlay)}")
@@ -265,7 +279,7 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
     modules = {}
     for name, e in mods.items():
         _check_name(name, where, "module")
-        modules[name] = _entry(name, e, where)
+        modules[name] = _entry(name, e, where, algo)
     tied = cfg.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise OverlayError(f"{where}: tie_word_embeddings must be true or false, got {_show(tied)}")
@@ -297,7 +311,7 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
         raise OverlayError(f"{where}: not plain JSON ({x})") from None
     return OverlayConfig(where, overlay, MappingProxyType(modules), tied,
                          MappingProxyType(dict(aliases)),
-                         None if base is None else MappingProxyType(dict(base)), raw)
+                         None if base is None else MappingProxyType(dict(base)), raw, fv)
 
 
 def read_config_file(path: str | os.PathLike) -> OverlayConfig:

@@ -4,7 +4,10 @@ See docs/overlay-format.md for the contract these constants spell out.
 """
 
 QUANT_METHOD = "embedq"          # quantization_config.quant_method
-FORMAT_VERSION = 1               # quantization_config.format_version
+FORMAT_VERSION = 2               # quantization_config.format_version (what embedq writes)
+# Versions every reader accepts: 1 recorded sha256 checksums, 2 records BLAKE3
+# (embedq.format.digest); the tensors themselves are the same.
+READABLE_FORMAT_VERSIONS = (1, 2)
 OVERLAY_FORMAT = "embedq"        # __metadata__.format of embedq.safetensors
 
 CONFIG_NAME = "config.json"

@@ -23,7 +23,6 @@ saying in which step it failed; the local folder is never modified by a failure.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 import re
 import stat
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from embedq.errors import EmbedqError
 from embedq.format.constants import QUANT_METHOD
+from embedq.format.digest import digest_for, new_hasher
 
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 TEMP_SUFFIXES = (".partial", ".incomplete", ".lock", ".tmp")
@@ -209,7 +209,7 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
             if k not in header:
                 raise EmbedqError(f"{ovfile}: missing tensor {k}")
             b, e = header[k]["data_offsets"]
-            h = hashlib.sha256()
+            h = new_hasher(digest_for(qconfig["format_version"]))
             for off in range(0, e - b, 64 << 20):
                 h.update(os.pread(f.fileno(), min(64 << 20, e - b - off), 8 + n + b + off))
             if h.hexdigest() != want:

@@ -2,7 +2,7 @@
 
 The bundle (``embedq quantize ... --overlay-only --output DIR``, or any folder with
 ``embedq.safetensors`` + ``quantization_config.json``) was made from one exact set of
-source tables; its config records their sha256. ``apply`` hashes the base's tables
+source tables; its config records their digest (sha256 or BLAKE3). ``apply`` hashes the base's tables
 first and refuses a base whose tables differ, then installs the overlay exactly like
 an in-place ``embedq quantize`` does (:mod:`embedq.jobs.state`): the overlay is
 copied under a temporary name and checked against its recorded checksums, the
@@ -13,7 +13,6 @@ restores the base byte for byte.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from embedq.jobs import state
 from embedq.format.checkpoint import CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, Checkpoint
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
 from embedq.format.constants import ST_FLOAT_NAMES
+from embedq.format.digest import new_hasher
 from embedq.format.reader import check_overlay_header
 from embedq.format.files import check_writable, inside
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
@@ -31,8 +31,8 @@ from embedq.jobs.report import ModuleReport, Report
 CHUNK = 64 << 20
 
 
-def _sha256_range(path: Path, offset: int, nbytes: int) -> str:
-    h = hashlib.sha256()
+def _digest_range(path: Path, offset: int, nbytes: int, algorithm: str) -> str:
+    h = new_hasher(algorithm)
     with open(path, "rb") as f:
         for off in range(0, nbytes, CHUNK):
             h.update(os.pread(f.fileno(), min(CHUNK, nbytes - off), offset + off))
@@ -68,7 +68,7 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
     allowed = _base_targets(ckpt)
     for name, entry in qconfig.modules.items():
         src = entry.source
-        tensor, want = src.tensor, src.sha256
+        tensor, want = src.tensor, src.digest
         if not want:
             raise OverlayError(f"{qconfig.where}: module {name} records no source checksum; "
                                "cannot check the base")
@@ -86,9 +86,9 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
         if src.dtype and dt != src.dtype:
             raise OverlayError(f"{ckpt.path / info.file}: {tensor} is {dt}, the overlay was made from "
                                f"{src.dtype} (a different revision?)")
-        got = _sha256_range(ckpt.path / info.file, info.file_offset, info.nbytes)
+        got = _digest_range(ckpt.path / info.file, info.file_offset, info.nbytes, src.algorithm)
         if got != want:
-            raise OverlayError(f"{ckpt.path / info.file}: {tensor} sha256 {got[:16]}… differs from the "
+            raise OverlayError(f"{ckpt.path / info.file}: {tensor} {src.algorithm} {got[:16]}… differs from the "
                                f"overlay's source {want[:16]}… (a different revision of the base?); refusing")
     for alias, owner in qconfig.aliases.items():
         if allowed is not None and ckpt.has(alias + ".weight") and alias + ".weight" not in allowed:
@@ -151,7 +151,7 @@ def _apply(ckpt: Checkpoint, qconfig: OverlayConfig, ovfile: Path, force: bool) 
         with open(ovfile, "rb") as f:
             for k in order:
                 b, e = tensors[k]["data_offsets"]
-                h = hashlib.sha256()
+                h = new_hasher(qconfig.digest)
                 for off in range(0, e - b, CHUNK):
                     data = os.pread(f.fileno(), min(CHUNK, e - b - off), 8 + n + b + off)
                     h.update(data)

@@ -267,7 +267,8 @@ def _modules(report, qconfig: dict | None) -> list[dict]:
             "aliases": list(m.aliases), "bits": e.get("num_bits") or _bits_of(m.scheme),
             "group_size": e.get("group_size"), "symmetric": e.get("symmetric", "asym" not in m.scheme),
             "scale_dtype": e.get("scale_dtype"), "method": e.get("method"),
-            "source_sha256": src.get("sha256"),
+            "source_digest": src.get("blake3") or src.get("sha256"),
+            "source_digest_name": "blake3" if src.get("blake3") else "sha256",
         })
     return out
 

@@ -239,12 +239,13 @@ def render(ctx: dict) -> str:
         b.append(f"- Base model: not recorded (local folder `{ctx.get('source_name', '?')}`)")
     if ctx.get("base_model_source") and ctx["base_model_source"] != "user":
         b.append(f"  (taken from the {ctx['base_model_source']})")
-    b += ["- sha256 of the source tables (raw little-endian bytes as stored in the safetensors "
+    algo = mods[0].get("source_digest_name", "blake3") if mods else "blake3"
+    b += [f"- {algo} of the source tables (raw little-endian bytes as stored in the safetensors "
           "shards; `embedq apply` and `embedq verify` check them):", "",
-          "| tensor | dtype | shape | sha256 |", "|---|---|---|---|"]
+          f"| tensor | dtype | shape | {algo} |", "|---|---|---|---|"]
     for m in mods:
         b.append(f"| `{m['tensor']}` | {m['source_dtype']} | {' x '.join(map(str, m['shape']))} | "
-                 f"`{m.get('source_sha256') or '-'}` |")
+                 f"`{m.get('source_digest') or '-'}` |")
     b += ["", "## How to use", "", _usage(ctx)]
     b += ["## Quality", ""]
     if ctx.get("eval") is not None:

@@ -7,7 +7,6 @@ finished and fsynced but not yet committed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +18,16 @@ from embedq.errors import CheckpointError, SchemeError
 from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
 from embedq.format.codec import pack_zero_points, packed_zero_point_rows
 from embedq.format.config import module_entry
+from embedq.format.digest import DIGEST, new_hasher
 from embedq.format.dtypes import DTYPE_NAMES, ST_TO_TORCH, dtype_from_name
 from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
 from embedq.quant.kernels import has_cached_kernel, native_ready
-from embedq.quant.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline, default_chunk_rows,
-                                 quantize_pack_chunk)
+from embedq.quant.profile import stage
+from embedq.quant.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline, check_finite,
+                                 default_chunk_rows, quantize_pack_chunk, stats_finite)
 
 
 @dataclass
@@ -105,21 +106,23 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     for p in plans:
         declared.update(p.overlay_tensors())
     writer = StreamingSafetensorsWriter(dest, declared, metadata)
-    writer.open()
+    with stage("overlay: create + fallocate"):
+        writer.open()
     entries: dict[str, dict] = {}
     reports: list[ModuleReport] = []
     total = sum(p.shape[0] * p.shape[1] * p.dtype.itemsize for p in plans)
     # The native kernel (built in under a second) is always worth it. Otherwise build an
     # inductor kernel only when the job is big enough to repay it; one already built
     # (cached on disk) is always used.
-    fast = all(native_ready(p.dtype) for p in plans if p.scheme.method == "rtn")
+    with stage("kernel: load (build once)"):
+        fast = all(native_ready(p.dtype) for p in plans if p.scheme.method == "rtn")
     compiled = None if fast or total >= compile_min_bytes() else False
     try:
         for p in plans:
             rows, cols = p.shape
             itemsize = p.dtype.itemsize
             cr = chunk_rows or default_chunk_rows(cols, itemsize)
-            out_hash = {n: hashlib.sha256() for n in p.overlay_tensors()}
+            out_hash = {n: new_hasher(DIGEST) for n in p.overlay_tensors()}
             stats = ErrorStats()
             bar = tqdm(total=rows, desc=f"{p.module} {p.scheme.label()}", unit="row",
                        disable=not progress, leave=False)
@@ -130,7 +133,7 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
             shape_t = torch.tensor([rows, cols], dtype=torch.int64)
             writer.write(f"{p.module}.weight_shape", shape_t)
             out_hash[f"{p.module}.weight_shape"].update(shape_t.numpy().tobytes())
-            source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], "sha256": src_digest}
+            source = {"tensor": p.tensor, "dtype": DTYPE_NAMES[p.dtype], DIGEST: src_digest}
             entry = module_entry(p.scheme, p.shape, DTYPE_NAMES[p.scale_dtype], source,
                                  {n: h.hexdigest() for n, h in out_hash.items()})
             entry["role"] = p.role
@@ -140,7 +143,8 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
             reports.append(ModuleReport(p.module, p.tensor, [rows, cols], p.scheme.label(),
                                         DTYPE_NAMES[p.dtype], before, after, stats.max_abs,
                                         stats.rms, stats.rel_rms, p.role, p.aliases))
-        writer.finish()
+        with stage("overlay: fsync"):
+            writer.finish()
     except BaseException:
         writer.abort()
         raise
@@ -166,7 +170,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     Three stages overlap (see :class:`embedq.quant.stream.Pipeline`): the source
     rows are mapped from the shard and hashed, quantized and packed by the fused
     kernel (``compiled``: None = when available, False = the eager reference), then
-    written and hashed. Returns the source's sha256.
+    written and hashed. Returns the source's digest (:data:`embedq.format.digest.DIGEST`).
 
     Zero points (asymmetric) are packed along rows, ``32/bits`` rows per int32; chunks
     are a multiple of 64 rows, so each chunk's zero points pack on their own into
@@ -187,29 +191,42 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
         raise SchemeError(f"--chunk-rows {chunk_rows}: must be a multiple of {32 // bits} for {bits}-bit tables "
                           f"(any multiple of {ROW_ALIGN} fits every scheme)")
 
+    where = f"{path}: {p.tensor}"
+    # RTN (any kernel) tolerates NaN/inf input and reports it in its statistics, so the
+    # refusal costs nothing unless a chunk is suspect; mse/gptq get the full pre-check.
+    rtn = p.scheme.method == "rtn"
+
     def compute(r0: int, x: torch.Tensor):
-        packed, scale, zp, st = quantize_pack_chunk(x, p.scheme, p.scale_dtype, pad_rows=chunk_rows,
-                                                    compiled=compiled, calibration=calibration)
+        with stage("kernel: quantize + pack + stats"):
+            packed, scale, zp, st = quantize_pack_chunk(x, p.scheme, p.scale_dtype, pad_rows=chunk_rows,
+                                                        compiled=compiled, calibration=calibration)
+        if rtn and not stats_finite(st):
+            with stage("finite check (suspect chunk only)"):
+                check_finite(x, r0, where)
         stats.add(*st, x.numel())
         if bar is not None:
             bar.update(x.shape[0])
         if zp is None:
             return packed, scale
-        return packed, scale, pack_zero_points(zp, bits)
+        with stage("kernel: pack zero points"):
+            return packed, scale, pack_zero_points(zp, bits)
 
     def write(r0: int, out) -> None:
         names = (packed_name, scale_name, zp_name)
         rows_at = (r0, r0, r0 * bits // 32)
         for name, t, row in zip(names, out, rows_at):
-            writer.write(name, t, row=row)
-            out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
+            with stage("write: pwrite"):
+                writer.write(name, t, row=row)
+            with stage("write: hash outputs"):
+                out_hash[name].update(t.contiguous().view(torch.uint8).numpy())
 
     try:
         source = MappedRows(path, info.file_offset, (rows, cols), p.dtype, name=p.tensor)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {p.tensor}: {e.strerror or e}") from None
     with source:
-        return Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None)).run()
+        return Pipeline(source, chunk_rows, compute, write, writer_fd=getattr(writer, "_fd", None),
+                        precheck=not rtn, digest=new_hasher(DIGEST)).run()
 
 
 __all__ = ["ModulePlan", "plan_modules", "write_overlay", "stream_module", "compile_min_bytes"]

@@ -25,6 +25,7 @@ from embedq.jobs.derived import check_output, write_derived
 from embedq.jobs.overlay import plan_modules, write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
 from embedq.jobs.report import Report
+from embedq.quant.profile import stage
 
 
 def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Report:
@@ -44,7 +45,8 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
         from embedq.jobs.calibration import collect_calibration
         calibration = collect_calibration(path, progress=recipe.progress)
     t0 = time.perf_counter()
-    ckpt = Checkpoint.open(path)
+    with stage("open checkpoint (config, index)"):
+        ckpt = Checkpoint.open(path)
     if recipe.output is not None:  # the source is only read (it may be a read-only cache)
         check_output(ckpt.path, recipe.output, recipe.force)
         report = _quantize(ckpt, t0, recipe, calibration)
@@ -58,9 +60,11 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
 def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) -> Report:
     r, scheme, head_scheme = recipe, recipe.scheme, recipe.head_scheme
     notes: list[str] = []
-    base_qc = state.base_state(ckpt, r.force, derived=r.output is not None, warnings=notes)
-    plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=r.lm_head, head_scheme=head_scheme,
-                                        targets=list(r.targets) if r.targets else None, trust=r.trust)
+    with stage("base state (existing overlay, config)"):
+        base_qc = state.base_state(ckpt, r.force, derived=r.output is not None, warnings=notes)
+    with stage("target discovery + tie check"):
+        plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=r.lm_head, head_scheme=head_scheme,
+                                            targets=list(r.targets) if r.targets else None, trust=r.trust)
     if r.format == "compressed-tensors":
         refuse_tied(ckpt, tied, aliases)
     for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
@@ -82,8 +86,9 @@ def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) 
                                              r.chunk_rows, r.progress, calibration)
     qconfig = build_config(entries, tied, aliases, base_qc)
     try:
-        parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
-        state.commit_in_place(ckpt, writer, qconfig)
+        with stage("commit (config, index, rename, fsync)"):
+            parse_config(qconfig, str(ckpt.path / QCONFIG_NAME))  # what readers will accept
+            state.commit_in_place(ckpt, writer, qconfig)
     except BaseException:
         writer.abort()
         raise

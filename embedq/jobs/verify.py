@@ -6,7 +6,6 @@ within what the scheme allows (:func:`error_bound`); NaN or infinity anywhere fa
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors import safe_open
 from embedq.errors import OverlayError
 from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from embedq.format.config import ModuleEntry
+from embedq.format.digest import hexdigest, new_hasher
 from embedq.format.reader import load_overlay
 from embedq.format.dtypes import dtype_from_name
 from embedq.quant.stream import ErrorStats, NonFiniteSource, check_finite, default_chunk_rows
@@ -72,7 +72,7 @@ def verify_overlay(path: str | os.PathLike) -> Report:
     with safe_open(str(file), framework="pt") as f:
         for name, entry in cfg.modules.items():
             for tname, digest in entry.checksums.items():
-                got = hashlib.sha256(f.get_tensor(tname).contiguous().view(torch.uint8).numpy()).hexdigest()
+                got = hexdigest(f.get_tensor(tname).contiguous().view(torch.uint8).numpy(), cfg.digest)
                 if got != digest:
                     raise OverlayError(f"{file}: tensor {tname} does not match its recorded checksum")
     # A folder with weights is checked against them (a corrupt or foreign shard is an
@@ -100,7 +100,7 @@ def verify_overlay(path: str | os.PathLike) -> Report:
             where = f"{ckpt.path / info.file}: {src.tensor}"
             if list(info.shape) != [t.rows, t.cols]:
                 raise OverlayError(f"{where} has shape {list(info.shape)}, the overlay {[t.rows, t.cols]}")
-            h = hashlib.sha256()
+            h = new_hasher(src.algorithm)
             stats = ErrorStats()
             problem = None  # reported after the source checksum (a changed source says so)
             with safe_open(str(ckpt.path / info.file), framework="pt") as sf:
@@ -128,7 +128,7 @@ def verify_overlay(path: str | os.PathLike) -> Report:
                             f"{file}: {name} row {r0 + r}: reconstruction error {float(gerr[r, c]):.4g} "
                             f"exceeds what {s.label()} allows ({float(bound[r, c]):.4g}); corrupt or "
                             "tampered scales or codes")
-            if h.hexdigest() != src.sha256:
+            if h.hexdigest() != src.digest:
                 raise OverlayError(
                     f"{ckpt.path / info.file}: {src.tensor} changed since the overlay was made "
                     "(checksum mismatch); re-run embedq quantize --force")

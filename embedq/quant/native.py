@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from embedq.quant.profile import stage
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +295,55 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, symmetric: bool,
     s = torch.empty(rows, groups, dtype=scale_dtype)
     zp = None if symmetric else torch.empty(rows, groups, dtype=torch.int8)
     out = torch.empty(rows, cols * bits // 8, dtype=torch.uint8)
-    st = (ctypes.c_double * 3)() if stats else None
     fn = lib.quant_bf16 if x.dtype == torch.bfloat16 else lib.quant_f32
-    fn(x.data_ptr(), rows * groups, group, bits, 0 if symmetric else 1, _SCALE_KIND[scale_dtype],
-       s.data_ptr(), None if zp is None else zp.data_ptr(), out.data_ptr(), st)
-    return out, s, zp, (tuple(st) if stats else None)
+    # Rows are independent: with more than one kernel thread (torch.get_num_threads(), which
+    # the pipeline sets from EMBEDQ_KERNEL_THREADS) the chunk is cut into row ranges run in
+    # parallel (ctypes releases the GIL). Same bytes; only the statistics' sums reassociate.
+    parts = max(1, min(torch.get_num_threads(), x.numel() * x.element_size() // _MIN_PART_BYTES, rows))
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    sts = [(ctypes.c_double * 3)() if stats else None for _ in range(parts)]
+    xs, ss, os_ = x.element_size(), s.element_size(), cols * bits // 8
+
+    def run(i: int) -> None:
+        a, b = bounds[i], bounds[i + 1]
+        fn(x.data_ptr() + a * cols * xs, (b - a) * groups, group, bits, 0 if symmetric else 1,
+           _SCALE_KIND[scale_dtype], s.data_ptr() + a * groups * ss,
+           None if zp is None else zp.data_ptr() + a * groups, out.data_ptr() + a * os_, sts[i])
+
+    if parts == 1:
+        run(0)
+    else:
+        _run_parallel(run, parts)
+    if not stats:
+        return out, s, zp, None
+    m = [st[0] for st in sts]
+    mx = math.nan if any(v != v for v in m) else max(m)
+    return out, s, zp, (mx, math.fsum(st[1] for st in sts), math.fsum(st[2] for st in sts))
+
+
+_MIN_PART_BYTES = 1 << 20  # smaller parts are not worth a thread hand-off
+_pool_obj = None
+
+
+def _pool(n: int):
+    global _pool_obj
+    with _lock:
+        if _pool_obj is None or _pool_obj._max_workers < n:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool_obj = ThreadPoolExecutor(n, thread_name_prefix="embedq-kernel")
+        return _pool_obj
+
+
+def _run_parallel(run, parts: int) -> list:
+    """``run(0)`` here and ``run(1..parts-1)`` on the kernel pool; wait for all."""
+    futures = [_pool(parts - 1).submit(_timed, run, i) for i in range(1, parts)]
+    run(0)
+    return [f.result() for f in futures]
+
+
+def _timed(run, i: int) -> None:
+    with stage("kernel: quantize + pack + stats"):
+        run(i)
 
 
 _SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -150,8 +150,8 @@ def test_builder_default_tied_transpose(builder_folder, overlay, checkpoints, tm
     out = tmp_path / "q"
     r = patch_model(src, ov, out, accuracy_level=0)
     assert [(m.op, m.replaced, m.source_check) for m in r.modules] == [
-        ("GatherBlockQuantized", "lm_head.MatMul.weight", "sha256"),
-        ("MatMulNBits", "lm_head.MatMul.weight", "sha256")]
+        ("GatherBlockQuantized", "lm_head.MatMul.weight", "blake3"),
+        ("MatMulNBits", "lm_head.MatMul.weight", "blake3")]
     assert r.modules[0].float_bytes == 512 * 96 * 4 and r.modules[1].quantized_bytes == 0
     ops = _ops(out / "model.onnx")
     assert "Transpose" not in ops and "Gather" not in ops[:3]
@@ -181,7 +181,7 @@ def test_builder_default_level4_and_untied(builder_folder, overlay, checkpoints,
     ckpt, ov = checkpoints(UNTIED), overlay(UNTIED, 8, None)
     r = patch_model(src, ov, tmp_path / "u", accuracy_level=0)
     assert [(m.op, m.source_check) for m in r.modules] == [
-        ("GatherBlockQuantized", "sha256"), ("MatMulNBits", "sha256")]
+        ("GatherBlockQuantized", "blake3"), ("MatMulNBits", "blake3")]
     assert r.modules[0].replaced != r.modules[1].replaced
     _check_decoder(UNTIED, ckpt, ov, tmp_path / "u" / "model.onnx", 0)
     _genai_matches_reference(tmp_path / "u", ckpt, ov, UNTIED)
@@ -232,7 +232,7 @@ def test_optimum_with_past(optimum_model, overlay, checkpoints, tmp_path, kind, 
     out = tmp_path / "model.onnx"
     r = patch_model(src, ov, out, accuracy_level=0)
     assert [m.op for m in r.modules] == ["GatherBlockQuantized", "MatMulNBits"]
-    assert all(m.source_check == "sha256" for m in r.modules)
+    assert all(m.source_check == "blake3" for m in r.modules)
     if kind == TIED:  # one table: MatMul read a Transpose of the Gather's initializer
         assert r.modules[0].replaced == r.modules[1].replaced and r.modules[1].quantized_bytes == 0
     mp = onnx.load(str(out), load_external_data=False)

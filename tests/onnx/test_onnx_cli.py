@@ -28,7 +28,7 @@ def test_cli_export_in_place_overlay(model_factory, tmp_path):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output[res.output.index("{"):])
     assert [m["op"] for m in rep["modules"]] == ["GatherBlockQuantized", "MatMulNBits"]
-    assert [m["source_check"] for m in rep["modules"]] == ["sha256", "sha256"]
+    assert [m["source_check"] for m in rep["modules"]] == ["blake3", "blake3"]
     assert rep["external_data"] is False and sorted(p.name for p in out.parent.iterdir()) == ["model.onnx"]
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(0))
     np.testing.assert_allclose(run_ort(out, ids), reference_logits(ckpt, ckpt, ids), rtol=1e-5, atol=1e-5)

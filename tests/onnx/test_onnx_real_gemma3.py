@@ -28,7 +28,7 @@ def test_gemma3_270m_export_patch_q4(gemma3_copy, tmp_path):
     V, H = 262144, 640
     emb, head = report.modules
     assert (emb.op, head.op) == ("GatherBlockQuantized", "MatMulNBits")
-    assert emb.source_check == "sha256" and head.quantized_bytes == 0  # one shared table
+    assert emb.source_check == "blake3" and head.quantized_bytes == 0  # one shared table
     # embedding bytes: float32 in the float graph, bfloat16 in the checkpoint
     assert emb.float_bytes == V * H * 4
     assert emb.quantized_bytes == V * H // 2 + V * 20 * 4 + V * 10
@@ -83,8 +83,8 @@ def test_gemma3_270m_genai_builder_folder(gemma3_270m, tmp_path):
     out = tmp_path / "genai-q4"
     r = patch_model(fp32, ov, out, accuracy_level=0)
     assert [(m.op, m.replaced, m.source_check) for m in r.modules] == [
-        ("GatherBlockQuantized", "lm_head.MatMul.weight", "sha256"),
-        ("MatMulNBits", "lm_head.MatMul.weight", "sha256")]
+        ("GatherBlockQuantized", "lm_head.MatMul.weight", "blake3"),
+        ("MatMulNBits", "lm_head.MatMul.weight", "blake3")]
     mp = onnx.load(str(out / "model.onnx"), load_external_data=False)
     assert not [i for i in mp.graph.initializer if sorted(i.dims) == [640, 262144]]
     del mp

@@ -55,7 +55,7 @@ def test_patched_logits_equal_dequantized_pytorch(float_model, overlay_for, tmp_
         reshape = producer[mm.input[1]]
         assert reshape.op_type == "Reshape" and reshape.input[0] == gbq.input[0]
         assert mm.input[2] == gbq.input[2] and mm.input[3] == gbq.input[3]
-        assert [m.source_check for m in report.modules] == ["sha256", "sha256"]
+        assert [m.source_check for m in report.modules] == ["blake3", "blake3"]
     else:
         assert producer[mm.input[1]].input[0] != gbq.input[0]
 
@@ -78,8 +78,8 @@ def test_patched_logits_equal_dequantized_pytorch(float_model, overlay_for, tmp_
 
     meta = read_metadata(out)
     assert meta["version"] and meta["min_onnxruntime"] == ("1.27" if bits == 4 and not sym else "1.23")
-    src = cfg["modules"]["model.embed_tokens"]["source"]["sha256"]
-    assert meta["source_sha256"]["model.embed_tokens"] == src
+    src = cfg["modules"]["model.embed_tokens"]["source"]["blake3"]
+    assert meta["source_blake3"]["model.embed_tokens"] == src
     assert meta["modules"]["model.embed_tokens"]["op"] == "GatherBlockQuantized"
     assert meta["modules"]["lm_head"]["op"] == "MatMulNBits"
 

@@ -76,7 +76,7 @@ def test_every_tied_layout(float_model, overlay_for, tmp_path, layout):
     out = tmp_path / "q.onnx"
     r = patch_model(src, ov, out, accuracy_level=0)
     assert [(m.op, m.source_check) for m in r.modules] == [
-        ("GatherBlockQuantized", "sha256"), ("MatMulNBits", "sha256")]
+        ("GatherBlockQuantized", "blake3"), ("MatMulNBits", "blake3")]
     assert r.modules[0].replaced == r.modules[1].replaced and r.modules[1].quantized_bytes == 0
     mp = onnx.load(str(out))
     assert {n.op_type for n in mp.graph.node} == {"GatherBlockQuantized", "MatMulNBits", "Reshape"}
@@ -167,7 +167,7 @@ def test_external_data_inside_the_folder_still_works(float_model, overlay_for, t
     onnx.save(mp, str(mdir / "model.onnx"), save_as_external_data=True,
               location="weights/./table.bin", size_threshold=0)
     r = patch_model(mdir / "model.onnx", ov, tmp_path / "q.onnx")
-    assert r.modules[0].source_check == "sha256"
+    assert r.modules[0].source_check == "blake3"
 
 
 # ------------------------------------------------------------------ without the extra

@@ -57,7 +57,7 @@ def test_apply_refuses_a_different_base(model_factory, derive):
     assert r.exit_code == 2
     line = r.output.strip()
     assert "\n" not in line
-    assert f"{base / info.file}: model.embed_tokens.weight sha256" in line and "refusing" in line
+    assert f"{base / info.file}: model.embed_tokens.weight blake3" in line and "refusing" in line
     assert snapshot(base) == before  # nothing written, no backup, no temp files
 
 

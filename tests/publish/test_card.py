@@ -62,7 +62,7 @@ def test_derived_card_front_matter_parses_and_validates(model_factory, derive):
     m = report.modules[0]
     assert f"{m.bytes_before:,} → {m.bytes_after:,} bytes" in body
     assert "`lm_head` reads the quantized `model.embed_tokens` table" in body  # tie handling
-    assert entry["source"]["sha256"] in body
+    assert entry["source"]["blake3"] in body  # format 2 records BLAKE3 (docs/overlay-format.md)
     assert "0123456789abcdef0123456789abcdef01234567" in body
     for section in ("### vLLM", "### transformers", "### ONNX Runtime", "embedq.load(",
                     "vllm serve", "embedq onnx export"):
@@ -138,7 +138,7 @@ def test_overlay_only_bundle_card(derive):
     validate_metadata(data)
     assert data["base_model"] == "Qwen/Qwen2-0.5B" and data["base_model_relation"] == "quantized"
     assert data["library_name"] == "embedq" and "overlay" in data["tags"]
-    sha = _qconfig(out)["modules"]["model.embed_tokens"]["source"]["sha256"]
+    sha = _qconfig(out)["modules"]["model.embed_tokens"]["source"]["blake3"]
     assert sha in card.text
     assert "hf download Qwen/Qwen2-0.5B --revision " + "c" * 40 in card.text
     assert "embedq apply ./base --overlay ./overlay" in card.text

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from embedq.cli import app
+from embedq.format.digest import digest_for, hexdigest
 
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -88,8 +89,8 @@ def tamper_overlay(folder: Path, fn, *, fix_checksums: bool = True) -> None:
     for entry in cfg["modules"].values():
         for k in list(entry.get("checksums") or {}):
             if k in tensors:
-                entry["checksums"][k] = hashlib.sha256(
-                    tensors[k].contiguous().view(torch.uint8).numpy()).hexdigest()
+                entry["checksums"][k] = hexdigest(  # the config's own digest
+                    tensors[k].contiguous().view(torch.uint8).numpy(), digest_for(cfg["format_version"]))
     write_qconfig(folder, cfg)
 
 

@@ -23,7 +23,7 @@ MOD = "model.embed_tokens"
 
 ENTRY_FIELDS = ("num_bits", "type", "symmetric", "strategy", "group_size", "scale_dtype", "method",
                 "role", "shape", "source", "checksums")
-SOURCE_FIELDS = ("tensor", "dtype", "sha256")
+SOURCE_FIELDS = ("tensor", "dtype", "blake3", "sha256")
 TOP_FIELDS = ("quant_method", "format_version", "overlay", "modules", "tie_word_embeddings",
               "aliases", "base_quantization_config", "onnx")
 
@@ -69,7 +69,8 @@ def in_range(cfg: dict) -> None:
     """What an accepted config must satisfy (an oracle independent of embedq.format.config)."""
     assert isinstance(cfg, dict)
     assert cfg["quant_method"] == "embedq"
-    assert type(cfg["format_version"]) is int and cfg["format_version"] == 1
+    assert type(cfg["format_version"]) is int and cfg["format_version"] in (1, 2)
+    algo = {1: "sha256", 2: "blake3"}[cfg["format_version"]]
     assert cfg.get("overlay", "embedq.safetensors") == "embedq.safetensors"
     assert isinstance(cfg.get("tie_word_embeddings", False), bool)
     mods = cfg["modules"]
@@ -88,8 +89,9 @@ def in_range(cfg: dict) -> None:
     src = e["source"]
     assert isinstance(src, dict) and src["tensor"] == MOD + ".weight"
     assert src.get("dtype") in (None, "bfloat16", "float16", "float32")
-    sha = src.get("sha256")
+    sha = src.get(algo)
     assert sha is None or (isinstance(sha, str) and len(sha) == 64)
+    assert ({"sha256", "blake3"} - {algo}).isdisjoint(src)  # the other version's digest
     ck = e.get("checksums") or {}
     assert isinstance(ck, dict) and all(k.startswith(MOD + ".weight_") for k in ck)
     aliases = cfg.get("aliases") or {}

@@ -8,7 +8,7 @@ bytes *is* the uint8 table ONNX Runtime's ``com.microsoft`` block-quantized oper
    embedding and the ``MatMul``/``Gemm`` that computes the logits from the head table,
    through Identity and ``Transpose(perm=[1,0])`` nodes, either orientation, tied or
    not (:mod:`.graph`) — the layouts of torch.onnx, optimum and onnxruntime-genai's builder;
-2. checks that each float initializer is the overlay's source table (sha256 of the rows
+2. checks that each float initializer is the overlay's source table (recorded digest of the rows
    as the source dtype, or, where the graph dtype cannot hold the source exactly, sampled
    rows within quantization error) and refuses otherwise (:mod:`.source`);
 3. builds ``GatherBlockQuantized`` and ``MatMulNBits`` (``accuracy_level`` per device, CPU

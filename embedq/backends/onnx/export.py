@@ -172,7 +172,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
         if p.key.startswith(META_PREFIX):
             k = p.key[len(META_PREFIX):]
             try:
-                out[k] = json.loads(p.value) if k in ("modules", "source_sha256", "scheme") else p.value
+                out[k] = json.loads(p.value) if k in ("modules", "source_sha256", "source_blake3", "scheme") else p.value
             except json.JSONDecodeError:
                 out[k] = p.value
     return out

@@ -409,8 +409,10 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
 
     from embedq.version import __version__
     from embedq.format.config import scheme_of
+    from embedq.format.digest import digest_for
     cfg, mp = P.cfg, P.mp
     tables = sorted({r.table for r in reports})
+    algo = digest_for(cfg["format_version"])  # the metadata key names the digest: source_blake3
     meta = {
         "version": __version__,
         "overlay_format_version": str(cfg.get("format_version")),
@@ -419,11 +421,11 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
         "modules": json.dumps({r.module: {
             "op": r.op, "table": r.table, "scheme": r.scheme, "bits": r.bits,
             "block_size": r.block_size, "replaced": r.replaced, "source_check": r.source_check,
-            "source_sha256": (cfg["modules"][r.table].get("source") or {}).get("sha256"),
+            f"source_{algo}": (cfg["modules"][r.table].get("source") or {}).get(algo),
             **({"accuracy_level": P.accuracy_level} if r.op == "MatMulNBits" else {}),
         } for r in reports}, sort_keys=True),
-        "source_sha256": json.dumps({m: (cfg["modules"][m].get("source") or {}).get("sha256")
-                                     for m in tables}, sort_keys=True),
+        f"source_{algo}": json.dumps({m: (cfg["modules"][m].get("source") or {}).get(algo)
+                                      for m in tables}, sort_keys=True),
         "scheme": json.dumps({m: scheme_of(cfg["modules"][m]).label() for m in tables}, sort_keys=True),
     }
     props = [p for p in mp.metadata_props if not p.key.startswith(META_PREFIX)]

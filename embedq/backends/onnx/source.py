@@ -1,12 +1,12 @@
-"""Is a float initializer the overlay's source table? (sha256, dequantized, sampled rows)"""
+"""Is a float initializer the overlay's source table? (recorded digest, dequantized, sampled rows)"""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from embedq.format.digest import VERSION_DIGESTS, new_hasher
 from embedq.backends.onnx.common import CHUNK_BYTES, SAMPLE_ROWS, OnnxError, TensorRef, torch_dtype_of
 
 
@@ -14,7 +14,7 @@ from embedq.backends.onnx.common import CHUNK_BYTES, SAMPLE_ROWS, OnnxError, Ten
 
 @dataclass
 class SourceCheck:
-    how: str  # sha256 | dequantized | sampled-rows
+    how: str  # sha256 | blake3 (the recorded digest) | dequantized | sampled-rows
     detail: str = ""
 
 
@@ -30,7 +30,8 @@ def _chunk_rows(cols: int) -> int:
 def check_source(t: TensorRef, transposed: bool, entry: dict, table, where: str) -> SourceCheck:
     """Is the float initializer ``t`` the overlay's source table? Raise OnnxError if not.
 
-    1. sha256 of the rows cast to the source dtype equals the recorded source sha256
+    1. the digest (sha256 or blake3, as the config records) of the rows cast to the source
+       dtype equals the recorded source digest
        (only possible where the graph dtype holds the source values exactly);
     2. or every row equals the dequantized overlay table (a graph built from it);
     3. or, where the graph dtype cannot hold the source exactly (float16 graph of a
@@ -44,12 +45,13 @@ def check_source(t: TensorRef, transposed: bool, entry: dict, table, where: str)
     sdt = dtype_from_name(src.get("dtype", "bfloat16"))
     lossless = _lossless(gdt, sdt)
     cr = _chunk_rows(cols)
-    if src.get("sha256"):
-        h = hashlib.sha256()
+    algo = next((a for a in VERSION_DIGESTS.values() if src.get(a)), None)
+    if algo is not None:
+        h = new_hasher(algo)
         for a in range(0, rows, cr):
             h.update(t.rows(a, min(rows, a + cr), transposed).to(sdt).contiguous().view(torch.uint8).numpy())
-        if h.hexdigest() == src["sha256"]:
-            return SourceCheck("sha256")
+        if h.hexdigest() == src[algo]:
+            return SourceCheck(algo)
     # A graph exported from the dequantized table (a derived checkpoint has no float source).
     sample = _sample_rows(rows)
     x = torch.cat([t.rows(int(r), int(r) + 1, transposed) for r in sample])
@@ -68,7 +70,7 @@ def check_source(t: TensorRef, transposed: bool, entry: dict, table, where: str)
                                "half a quantization step (graph dtype cannot hold the source exactly)")
     raise OnnxError(
         f"{where} is not the source of this overlay's {src.get('tensor', 'table')} "
-        f"(sha256 of its {rows}x{cols} values differs from quantization_config.json"
+        f"({algo or 'the digest'} of its {rows}x{cols} values differs from quantization_config.json"
         f"{'' if lossless else ', and sampled rows are not within quantization error'}); "
         "refusing to patch with a wrong or stale overlay")
 

@@ -43,7 +43,8 @@ from embedq.format.codec import (dequantize_rows, pack_zero_point_rows, unpack_z
                                  zero_points_of)
 from embedq.errors import OverlayError
 from embedq.format.config import parse_config, scheme_of
-from embedq.format.constants import FORMAT_VERSION, QCONFIG_NAME, QUANT_METHOD, is_head_name
+from embedq.format.constants import (QCONFIG_NAME, QUANT_METHOD, READABLE_FORMAT_VERSIONS,
+                                     is_head_name)
 from embedq.format.dtypes import dtype_from_name
 from embedq.kernels import PreparedTable
 
@@ -171,10 +172,11 @@ class EmbedqConfig(QuantizationConfig):
             raise ValueError(f"embedq: not an embedq quantization_config "
                              f"(quant_method={method!r})")
         version = config.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise ValueError(
                 f"embedq: overlay format_version {version!r}; this embedq serves "
-                f"format_version {FORMAT_VERSION} — upgrade embedq or re-quantize")
+                f"format_version {' and '.join(map(str, READABLE_FORMAT_VERSIONS))} — upgrade embedq "
+                "or re-quantize")
         if not config.get("modules"):
             raise ValueError("embedq: quantization_config lists no modules")
         try:  # the one validated parse (docs/security.md): types, ranges, names
