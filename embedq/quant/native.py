@@ -22,18 +22,14 @@ eager path. Nothing here is needed for correctness: without a C compiler, or wit
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import torch
 
+from embedq.kernels.build import kernel_cache_dir, load_library
 from embedq.quant.profile import stage
 
 log = logging.getLogger(__name__)
@@ -194,56 +190,6 @@ _lib = None  # ctypes library, or False when unavailable
 _reason: str | None = None
 
 
-def _compiler() -> str | None:
-    for c in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if c and shutil.which(c):
-            return shutil.which(c)
-    return None
-
-
-def _cpu_ident() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-    return platform.machine() + platform.processor()
-
-
-def kernel_cache_dir() -> Path:
-    """Where built kernels are kept (``EMBEDQ_KERNEL_CACHE``; default ``~/.cache/embedq/kernels``)."""
-    env = os.environ.get("EMBEDQ_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    root = os.environ.get("EMBEDQ_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
-
-
-def library_path(cc: str) -> Path:
-    ident = repr((C_SOURCE, FLAGS, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
-                  _cpu_ident(), sys.platform))
-    return kernel_cache_dir() / f"native-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.so"
-
-
-def _build(cc: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-    src = tmp.with_suffix(".c")
-    try:
-        src.write_text(C_SOURCE)
-        r = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
-        os.replace(tmp, path)  # atomic: concurrent builders are harmless
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-
-
 def library():
     """The loaded kernel library, or None (see :func:`unavailable_reason`)."""
     global _lib, _reason
@@ -253,14 +199,7 @@ def library():
         if _lib is not None:
             return _lib or None
         try:
-            cc = _compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found")
-            path = library_path(cc)
-            if not path.is_file():
-                log.info("embedq: building the native kernel (once; cached in %s)", path.parent)
-                _build(cc, path)
-            lib = ctypes.CDLL(str(path))
+            lib = load_library("native", C_SOURCE, FLAGS, ["-lm"])
             P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             for n in ("quant_bf16", "quant_f32"):
                 getattr(lib, n).argtypes = [P, I, I, F, F, F, P, P, P, P]
