@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import threading
 
 import torch
