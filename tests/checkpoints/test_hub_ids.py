@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from archs import build_tiny  # noqa: E402
-from readhub import ReadHub  # noqa: E402
+from fakehub import FakeHub  # noqa: E402  (tests/fakehub.py)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_open_hub_header_only(neox, sharded, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     from embedq.format.checkpoint import HubCheckpoint, open_checkpoint
-    with ReadHub({"org/neox": neox, "org/sharded": sharded}) as hub:
+    with FakeHub({"org/neox": neox, "org/sharded": sharded}) as hub:
         monkeypatch.setattr(constants, "ENDPOINT", hub.url)
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hfcache"))
         ck = open_checkpoint("org/neox")
@@ -54,7 +54,7 @@ def test_open_hub_header_only(neox, sharded, tmp_path, monkeypatch):
 
 
 def test_cli_inspect_hub_id(neox, tmp_path):
-    with ReadHub({"org/neox": neox}) as hub:
+    with FakeHub({"org/neox": neox}) as hub:
         env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"),
                    PYTHONPATH=str(REPO), HF_HUB_DISABLE_TELEMETRY="1")
         exe = Path(sys.executable).with_name("embedq")
