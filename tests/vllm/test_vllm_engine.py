@@ -125,16 +125,23 @@ def tiny_tied(path: Path) -> Path:
 TINY_PROMPTS = [[1, 5, 9, 33], [7, 100, 3], [400, 2, 2, 17, 250]]
 
 
+def tiny_vs_dequantized(src: Path, bits: int, tmp: Path) -> tuple[Path, dict, list[str]]:
+    """Quantize tied ``src``, run it and the float model holding its dequantized table:
+    (quantized folder, its run, near-tie notes)."""
+    name = src.name
+    q = quantized_copy(src, tmp / f"{name}-q{bits}", bits=bits)
+    deq = dequantized_copy(src, q, tmp / f"{name}-deq{bits}", "model.embed_tokens",
+                           "model.embed_tokens.weight")
+    got = run_engine(q, TINY_PROMPTS, 16, tmp / "run")
+    assert got["kinds"] == {"model.embed_tokens": "int8_row" if bits == 8 else "int4_cpu"}
+    ref = run_engine(deq, TINY_PROMPTS, 16, tmp / "run")
+    return q, got, compare(got, ref, f"{name} q{bits} vs dequantized")
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_engine_tiny_tied(tmp_path, bits):
-    src = tiny_tied(tmp_path / "tiny")
-    q = quantized_copy(src, tmp_path / f"tiny-q{bits}", bits=bits)
-    deq = dequantized_copy(src, q, tmp_path / f"tiny-deq{bits}", "model.embed_tokens",
-                           "model.embed_tokens.weight")
-    got = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run")
-    assert got["kinds"] == {"model.embed_tokens": "int8_row" if bits == 8 else "int4_cpu"}
-    ref = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run")
-    for n in compare(got, ref, f"tiny q{bits} vs dequantized"):
+    _, _, notes = tiny_vs_dequantized(tiny_tied(tmp_path / "tiny"), bits, tmp_path)
+    for n in notes:
         warnings.warn(n)
 
 
@@ -146,14 +153,8 @@ def test_engine_qwen35_hybrid(tmp_path, bits):
     decoding, method mtp: the drafter shares the target's quantized embedding and head).
     Greedy speculative decoding must give the target's own tokens."""
     from _harness import build_qwen35
-    src = build_qwen35(tmp_path / "qwen35", vl=False, mtp=True)
-    q = quantized_copy(src, tmp_path / f"qwen35-q{bits}", bits=bits)
-    deq = dequantized_copy(src, q, tmp_path / f"qwen35-deq{bits}", "model.embed_tokens",
-                           "model.embed_tokens.weight")
-    got = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run")
-    assert got["kinds"] == {"model.embed_tokens": "int8_row" if bits == 8 else "int4_cpu"}
-    ref = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run")
-    notes = compare(got, ref, f"qwen3.5 q{bits} vs dequantized")
+    q, got, notes = tiny_vs_dequantized(build_qwen35(tmp_path / "qwen35", vl=False, mtp=True),
+                                        bits, tmp_path)
     if bits == 8:
         spec = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run",
                           speculative_config={"method": "mtp", "num_speculative_tokens": 1})
