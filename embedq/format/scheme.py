@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from embedq.errors import SchemeError
 from embedq.format.constants import METHODS, ST_FLOAT_NAMES, SUPPORTED_BITS
 
+
+# The default group size per bit width, chosen by measurement (docs/methods.md, "The
+# defaults"): 8-bit g64 (per row where 64 does not divide the width, see Scheme.fit),
+# 4-bit g32 (signed-max scales, quant/rtn.py). Scales keep the source dtype by default.
+DEFAULT_GROUP = {8: 64, 4: 32}
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,21 @@ class Scheme:
     @classmethod
     def default(cls, bits: int, symmetric: bool = True, group_size: int | None = None,
                 method: str = "rtn", scale_dtype: str | None = None) -> "Scheme":
-        """The documented defaults: 8-bit per row, 4-bit groups of 32."""
-        if group_size is None and bits == 4:
-            group_size = 32
+        """The documented defaults (:data:`DEFAULT_GROUP`): 8-bit groups of 64, 4-bit of 32."""
+        if group_size is None:
+            group_size = DEFAULT_GROUP.get(bits)
         if group_size == 0:  # explicit per-row request
             group_size = None
         return cls(bits=bits, symmetric=symmetric, group_size=group_size, method=method,
                    scale_dtype=scale_dtype)
+
+    def fit(self, cols: int) -> "Scheme":
+        """This *default* scheme for a table of ``cols`` columns: the 8-bit default group
+        falls back to one scale per row where it does not divide them (an explicit
+        ``--group-size`` is never changed: callers fit defaults only)."""
+        if self.bits == 8 and self.group_size == DEFAULT_GROUP[8] and cols % self.group_size:
+            return replace(self, group_size=None)
+        return self
 
     @property
     def strategy(self) -> str:

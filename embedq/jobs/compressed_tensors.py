@@ -30,7 +30,8 @@ def quantize_compressed_tensors(path, bits: int = 8, *, output=None, symmetric: 
     ckpt = Checkpoint.open(path)
     scheme = Scheme.default(bits, symmetric, kwargs.get("group_size"))
     _, aliases, tied = plan_modules(ckpt, scheme, lm_head=kwargs.get("lm_head", False),
-                                    targets=kwargs.get("targets"), trust=kwargs.get("trust"))
+                                    targets=kwargs.get("targets"), trust=kwargs.get("trust"),
+                                    fit_default=kwargs.get("group_size") is None)
     if tied or aliases:
         raise SchemeError(
             f"{ckpt.path / CONFIG_NAME}: tied embeddings: stock vLLM cannot run a tied lm_head on a "

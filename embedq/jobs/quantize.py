@@ -85,11 +85,12 @@ def _quantize(ckpt: Checkpoint, t0: float, *, bits, group_size, symmetric, metho
         head_scheme = Scheme.default(hb, symmetric if head_symmetric is None else head_symmetric,
                                      hg, method, scale_dtype)
     plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=lm_head, head_scheme=head_scheme,
-                                        targets=targets, trust=trust)
+                                        targets=targets, trust=trust, fit_default=group_size is None)
     for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
         if p.scheme.method == "gptq" and p.role != "head" and not any(
                 is_head_name(a) for a in p.aliases):
             p.scheme = dataclasses.replace(p.scheme, method="mse")
+    scheme = plans[0].scheme  # as fitted to the embedding's width
     advice = scheme_advice(scheme, {"tie_word_embeddings": tied}, head_scheme=head_scheme, lm_head=lm_head)
     if output is not None:
         report = write_derived(ckpt, plans, aliases, tied, base_qc, Path(output), force=force,
