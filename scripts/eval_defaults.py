@@ -138,6 +138,30 @@ def stats(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
             "same_top1": 100.0 * sum(same) / tot, "per_context_kld": [k / m for k, m in zip(kl, n)]}
 
 
+def markdown(results: list[dict], texts: dict[str, str], contexts: int, length: int,
+             shape: tuple[int, int]) -> str:
+    """The Markdown table of ``results``; bytes relative to int8 per-row with bf16 scales."""
+    from embedq.format.scheme import Scheme
+    per_row = Scheme(bits=8).overlay_bytes(shape, 2)
+    floor = next((r for r in results if r["row"] == "floor"), None)
+    out = [f"Gemma 3 270M (tied, {shape[0]} x {shape[1]} bf16), {contexts} contexts x {length} tokens, BOS "
+           "first, vs the float32 model; texts: " + "; ".join(f"{t} = {d}" for t, d in texts.items()) + "\n",
+           "| candidate | bytes vs int8 per-row | " + " | ".join(
+               f"{t}: mean KLD [95% CI] | × floor | same top-1 %" for t in texts) + " |",
+           "|---|---:|" + "---|---:|---:|" * len(texts)]
+    for r in results:
+        size = "–" if r["overlay_bytes"] is None else f"{r['overlay_bytes'] / per_row:.3f}"
+        cells = []
+        for t in texts:
+            v = r["texts"][t]
+            x = "–" if floor is None else f"{v['mean_kld'] / floor['texts'][t]['mean_kld']:.2f}"
+            cells.append(f"{v['mean_kld']:.5f} [{v['kld_ci95'][0]:.5f}, {v['kld_ci95'][1]:.5f}] | {x} | "
+                         f"{v['same_top1']:.1f}")
+        same = f" (= {ROWS[r['identical_table_to']][0]}: identical table)" if r.get("identical_table_to") else ""
+        out.append(f"| {r['label']}{same} | {size} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ORDER), help=f"subset of {', '.join(ROWS)}")
@@ -148,7 +172,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the Gemma 3 270M fixture)")
     ap.add_argument("--batch", type=int, default=6, help="contexts per forward pass")
     ap.add_argument("--json", type=Path, default=None, help="every number (rewritten after each row)")
+    ap.add_argument("--from-json", type=Path, default=None, help="only print the table of a saved --json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        d = json.loads(args.from_json.read_text())
+        print(markdown(d["rows"], d["texts"], d["contexts"], d["length"], tuple(d["shape"])))
+        return 0
 
     import transformers
     from embedq.quality.evaluate import (DEFAULT_CONTEXTS, DEFAULT_LENGTH, default_text, load_reference,
@@ -202,34 +231,22 @@ def main(argv=None) -> int:
         del cand
         results.append(row)
         if args.json:
-            args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "rows": results}, indent=2))
+            args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "shape": list(table.shape),
+                                             "contexts": contexts, "length": length,
+                                             "texts": {t: d for t, (d, _) in texts.items()},
+                                             "rows": results}, indent=2))
         msg = "; ".join(f"{t}: KLD {v['mean_kld']:.5f} top-1 {v['same_top1']:.1f}%" for t, v in row["texts"].items())
         print(f"# {spec[0]}: {msg} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     emb.data = original
 
-    per_row = next((r["overlay_bytes"] for r in results if r["row"] == "int8-row"), None)
-    floor = next((r for r in results if r["row"] == "floor"), None)
-    print(f"Gemma 3 270M (tied, 262144 x 640 bf16), {contexts} contexts x {length} tokens, BOS first, "
-          f"vs the float32 model; texts: " + "; ".join(f"{t} = {d}" for t, (d, _) in texts.items()) + "\n")
-    cols = list(texts)
-    print("| candidate | bytes vs int8 per-row | " + " | ".join(
-        f"{t}: mean KLD [95% CI] | × floor | same top-1 %" for t in cols) + " |")
-    print("|---|---:|" + "---|---:|---:|" * len(cols))
-    for r in results:
-        size = "–" if r["overlay_bytes"] is None or not per_row else f"{r['overlay_bytes'] / per_row:.3f}"
-        cells = []
-        for t in cols:
-            v = r["texts"][t]
-            x = "–" if floor is None else f"{v['mean_kld'] / floor['texts'][t]['mean_kld']:.2f}"
-            cells.append(f"{v['mean_kld']:.5f} [{v['kld_ci95'][0]:.5f}, {v['kld_ci95'][1]:.5f}] | {x} | "
-                         f"{v['same_top1']:.1f}")
-        same = f" (= {ROWS[r['identical_table_to']][0]}: identical table)" if r.get("identical_table_to") else ""
-        print(f"| {r['label']}{same} | {size} | " + " | ".join(cells) + " |")
+    print(markdown(results, {t: d for t, (d, _) in texts.items()}, contexts, length, tuple(table.shape)))
     total = time.perf_counter() - t_all
     print(f"\n{machine()}; {total / 60:.1f} min in all.")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "rows": results,
-                                         "seconds": total}, indent=2))
+        args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "shape": list(table.shape),
+                                         "contexts": contexts, "length": length,
+                                         "texts": {t: d for t, (d, _) in texts.items()},
+                                         "rows": results, "seconds": total}, indent=2))
     return 0
 
 
