@@ -45,6 +45,10 @@ def _reference(x: np.ndarray, bits: int, group: int, symmetric: bool):
     rows, cols = x.shape
     xg = x.reshape(rows, cols // group, group).astype(np.float64)
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if symmetric and bits == 4:  # signed-max: the signed extreme lands on -8
+        lo, hi = xg.min(-1), xg.max(-1)
+        scale = np.where(-lo > hi, lo, hi) / qmin
+        return np.where(scale != 0, scale, 1.0)
     if symmetric:
         scale = np.abs(xg).max(-1) / qmax
     else:
@@ -70,14 +74,24 @@ def test_rtn_error_within_half_step(bits, group, symmetric, dtype):
     t = QuantizedTable.from_codes(q, scale, zp, bits, s.group_size)
     xhat = t.dequantize(torch.float32)
     g = s.effective_group(256)
-    step = scale.float().repeat_interleave(g, dim=1)
+    step = scale.float().abs().repeat_interleave(g, dim=1)
     err = (xhat - x.float()).abs()
-    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-7).all()), float((err - step / 2).max())
-    # the stored scale is the reference scale rounded up to the storage dtype
+    half = err <= step / 2 * (1 + 1e-5) + 1e-7
+    if symmetric and bits == 4:
+        # signed-max: only a value of the other sign than the extreme, clipped to code 7,
+        # misses by more than half a step, and by at most one
+        assert bool((half | (q == s.qmax)).all())
+        assert bool((err <= step * (1 + 1e-5) + 1e-7).all())
+        nz = scale.float() != 1
+        assert bool(((q.reshape(67, -1, g) == s.qmin).any(-1) | ~nz).all())  # the extreme is -8
+    else:
+        assert bool(half.all()), float((err - step / 2).max())
+    # the stored scale is the reference scale, its magnitude rounded up to the storage dtype
     ref = torch.from_numpy(_reference(x.float().numpy(), bits, g, symmetric)).float()
-    assert bool((scale.float() >= ref * (1 - 1e-6)).all())
+    assert bool((torch.sign(scale.float()) == torch.sign(ref)).all())
+    assert bool((scale.float().abs() >= ref.abs() * (1 - 1e-6)).all())
     rel = {torch.float32: 1e-6, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
-    assert bool((scale.float() <= ref * (1 + rel) + 1e-30).all())
+    assert bool((scale.float().abs() <= ref.abs() * (1 + rel) + 1e-30).all())
 
 
 def test_round_scale_up_never_rounds_down():
@@ -85,6 +99,28 @@ def test_round_scale_up_never_rounds_down():
     for dt in (torch.bfloat16, torch.float16):
         r = round_scale_up(s, dt)
         assert bool((r.float() >= s).all())
+        n = round_scale_up(-s, dt)  # signed-max scales: the magnitude is rounded up
+        assert torch.equal(n.float(), -r.float())
+
+
+def test_signed_max_4bit_matches_the_builder_mapping():
+    """4-bit sym = onnxruntime's int4 RTN (MLAS ``MlasQuantizeBlockwise``): ``m`` = the
+    group's element of largest magnitude (ties: the positive one), ``scale = m / -8``,
+    codes ``clamp(round(x / scale), -8, 7)``; bf16 scales of a bf16 table equal the
+    float32 ones (``m / -8`` is exact)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 128, generator=g) * 2).to(torch.bfloat16)
+    x[0, :32] = torch.linspace(-1, 1, 32)  # a tie: +1 and -1
+    x[1, :32] = 0
+    xg = x.float().reshape(64, 4, 32)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    m = torch.where(lo.abs() > hi, lo, hi)
+    sc = torch.where(m != 0, m / -8, torch.ones_like(m))
+    qr = torch.round(xg / sc.unsqueeze(-1)).clamp(-8, 7).reshape(64, 128).to(torch.int8)
+    for dt in (torch.float32, torch.bfloat16):
+        q, s, zp = quantize_rtn(x, Scheme.default(4, True, 32), dt)
+        assert zp is None and torch.equal(q, qr) and torch.equal(s.float(), sc)
+    assert float(s[0, 0]) == -1 / 8 and int(q[0, 0]) == 7  # -1 / (-1/8) = 8 -> clipped to 7
 
 
 @pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (4, 32, True), (4, 32, False),

@@ -27,9 +27,12 @@ def _check_against_source(path, module, tensor):
     ov = load_overlay(path)
     t = ov.tables[module]
     x = _source_table(path, tensor).float()
-    step = t.scale.float().repeat_interleave(t.cols // t.scale.shape[1], dim=1)
+    step = t.scale.float().abs().repeat_interleave(t.cols // t.scale.shape[1], dim=1)
     err = (t.dequantize(torch.float32) - x).abs()
-    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-7).all())
+    # 4-bit sym (signed-max): a value of the other sign than the group's extreme may be
+    # clipped to code 7, missing by up to one step
+    factor = 1.0 if t.bits == 4 and t.zero_point is None else 0.5
+    assert bool((err <= step * factor * (1 + 1e-5) + 1e-7).all())
 
 
 @pytest.mark.parametrize("bits,kw", [(8, {}), (4, {}), (4, {"symmetric": False}), (8, {"group_size": 32})])

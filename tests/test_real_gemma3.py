@@ -24,7 +24,7 @@ def test_gemma3_270m_tied_table(gemma3_copy, bits):
     assert rep.tied and m.module == "model.embed_tokens" and m.aliases == ["lm_head"]
     assert m.shape == [262144, 640]
     assert m.bytes_before == 262144 * 640 * 2
-    expected = 262144 * 640 * bits // 8 + 262144 * (1 if bits == 8 else 20) * 2 + 16
+    expected = 262144 * 640 * bits // 8 + 262144 * (10 if bits == 8 else 20) * 2 + 16  # g64 / g32
     assert m.bytes_after == expected == (path / "embedq.safetensors").stat().st_size - _header(path)
     print(f"\nGemma 3 270M int{bits}: {m.bytes_before / 1e6:.1f} MB -> {m.bytes_after / 1e6:.1f} MB, "
           f"saved {rep.bytes_saved / 1e6:.1f} MB, max err {m.max_abs_error:.3g}")
@@ -34,8 +34,9 @@ def test_gemma3_270m_tied_table(gemma3_copy, bits):
     with safe_open(path / "model.safetensors", "pt") as f:
         x = f.get_slice("model.embed_tokens.weight")
         ref = torch.stack([x[int(r):int(r) + 1][0] for r in rows]).float()
-    step = t.scale[rows].float().repeat_interleave(640 // t.scale.shape[1], dim=1)
-    assert bool(((t.dequantize(torch.float32, rows) - ref).abs() <= step / 2 * (1 + 1e-5)).all())
+    step = t.scale[rows].float().abs().repeat_interleave(640 // t.scale.shape[1], dim=1)
+    factor = 0.5 if bits == 8 else 1.0  # 4-bit signed-max: the other sign's extreme may clip to 7
+    assert bool(((t.dequantize(torch.float32, rows) - ref).abs() <= step * factor * (1 + 1e-5)).all())
     embedq.verify(path)
     embedq.remove(path)
     assert snapshot(path) == before

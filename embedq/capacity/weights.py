@@ -15,6 +15,8 @@ from pathlib import Path
 from embedq.capacity.layout import MODEL_DTYPE_BYTES, GiB, KVLayout, PlanError
 from embedq.format.constants import QUANT_METHOD
 
+_SCALE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # an explicit --scale-dtype
+
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U32": 4, "U16": 2, "U64": 8}
 
@@ -69,10 +71,12 @@ def checkpoint_weights(ck, bits: int | None, group_size: int | None, symmetric: 
                 "overlay": overlay, "overlay_source": "overlay on disk", "scheme": ", ".join(schemes)}
     from embedq.jobs.targets import find_targets
     t, tied_cfg = find_targets(ck)
-    scheme = Scheme.default(bits, symmetric, group_size)
     emb = ck.tensor(t.embedding)
+    scheme = Scheme.default(bits, symmetric, group_size)
+    if group_size is None and len(emb.shape) == 2:
+        scheme = scheme.fit(emb.shape[1])
     scheme.check_shape(emb.shape, f"{ck.path / emb.file}: {t.embedding}")
-    overlay = scheme.overlay_bytes(emb.shape, DTYPE_BYTES.get(emb.dtype, 2))
+    overlay = scheme.overlay_bytes(emb.shape, _SCALE_BYTES.get(scheme.scale_dtype, DTYPE_BYTES.get(emb.dtype, 2)))
     drop = {t.embedding}
     if t.head and tied_cfg:
         drop.add(t.head)
@@ -85,15 +89,17 @@ def given_weights(total: int, layout: KVLayout, where: str, bits: int | None,
                   group_size: int | None, symmetric: bool | None) -> dict:
     """``--weights-gib``: float weights as given, the embedding (vocab x hidden) from config."""
     from embedq.format.scheme import Scheme
-    scheme = Scheme.default(bits, symmetric, group_size)
     shape = (layout.vocab_size, layout.hidden_size)
+    scheme = Scheme.default(bits, symmetric, group_size)
+    if group_size is None:
+        scheme = scheme.fit(shape[1])
     scheme.check_shape(shape, f"{where}: embedding vocab_size x hidden_size")
     isz = MODEL_DTYPE_BYTES[layout.model_dtype]
     table = shape[0] * shape[1] * isz
     if table >= total:
         raise PlanError(f"--weights-gib {total / GiB:.2f}: smaller than the embedding table alone "
                         f"({table / GiB:.2f} GiB from {where})")
-    overlay = scheme.overlay_bytes(shape, isz)
+    overlay = scheme.overlay_bytes(shape, _SCALE_BYTES.get(scheme.scale_dtype, isz))
     return {"float": total, "quantized": total - table + overlay, "float_tables": table,
             "overlay": overlay, "overlay_source": "estimate from config.json and --weights-gib",
             "scheme": scheme.label()}

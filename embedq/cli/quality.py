@@ -26,6 +26,8 @@ def register(app: typer.Typer) -> None:
         float_head: bool = typer.Option(False, "--float-head", help="Keep the head float (measure the "
                                         "gather only)"),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed"),
+        floor: Optional[bool] = typer.Option(None, "--floor/--no-floor", help="Also measure the float model "
+                                             "run in bf16: the noise floor (default: for a bf16 model)"),
         device: Optional[str] = typer.Option(None, "--device", help="cuda, cuda:1, ... (default: CPU)"),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar"),
@@ -34,7 +36,7 @@ def register(app: typer.Typer) -> None:
         from embedq.quality.evaluate import evaluate
         r = run(evaluate, model, text=text, contexts=contexts, length=length, reference=reference,
                  dtype=dtype, float_head=float_head, seed=seed, progress=not (quiet or as_json),
-                 device=device)
+                 device=device, floor=floor)
         typer.echo(r.to_json() if as_json else r.table())
 
     @app.command("plan")

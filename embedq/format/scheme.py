@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from embedq.errors import SchemeError
 from embedq.format.constants import METHODS, ST_FLOAT_NAMES, SUPPORTED_BITS
@@ -11,8 +11,12 @@ from embedq.format.constants import METHODS, ST_FLOAT_NAMES, SUPPORTED_BITS
 # ``plan`` estimate), the one place to change them: bits when none is given, and per bits
 # ``(group_size (None: one scale per row), symmetric)`` when those are not given.
 DEFAULT_BITS = 8
-DEFAULT_SCHEMES: dict[int, tuple[int | None, bool]] = {8: (None, True), 4: (32, True)}
+# Chosen by measurement (docs/methods.md, "The defaults"): 8-bit g64 (per row where 64
+# does not divide the width, see Scheme.fit), 4-bit g32 (signed-max scales, quant/rtn.py).
+# Scales keep the source dtype by default.
+DEFAULT_SCHEMES: dict[int, tuple[int | None, bool]] = {8: (64, True), 4: (32, True)}
 DEFAULT_METHOD = "rtn"
+DEFAULT_GROUP = {b: g for b, (g, _) in DEFAULT_SCHEMES.items()}
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ class Scheme:
         method = DEFAULT_METHOD if method is None else method
         return cls(bits=bits, symmetric=symmetric, group_size=group_size, method=method,
                    scale_dtype=scale_dtype)
+
+    def fit(self, cols: int) -> "Scheme":
+        """This *default* scheme for a table of ``cols`` columns: the 8-bit default group
+        falls back to one scale per row where it does not divide them (an explicit
+        ``--group-size`` is never changed: callers fit defaults only)."""
+        if self.bits == 8 and self.group_size == DEFAULT_GROUP[8] and cols % self.group_size:
+            return replace(self, group_size=None)
+        return self
 
     @property
     def strategy(self) -> str:

@@ -15,11 +15,12 @@ def _size(shape, scheme: Scheme, src_bytes: int) -> int | None:
         scheme.check_shape(shape, "")
     except Exception:
         return None
-    return scheme.overlay_bytes(shape, src_bytes)
+    scale_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(scheme.scale_dtype, src_bytes)
+    return scheme.overlay_bytes(shape, scale_bytes)
 
 
 def inspect_checkpoint(path: str | os.PathLike, revision: str | None = None) -> dict:
-    """Targets found, tie status and bytes now / after int8 / after Q4 g32 per tensor.
+    """Targets found, tie status and bytes now / after the int8 / Q4 g32 defaults per tensor.
 
     ``path`` is a checkpoint folder or a Hub id (``org/name``, read header-only: config.json
     and safetensors headers, no weights; ``revision`` picks a branch, tag or commit).
@@ -42,7 +43,7 @@ def inspect_checkpoint(path: str | os.PathLike, revision: str | None = None) -> 
         rows.append({
             "role": role, "tensor": n, "file": info.file, "shape": list(info.shape), "dtype": info.dtype,
             "bytes": info.nbytes,
-            "bytes_int8": _size(info.shape, Scheme.default(8), isz),
+            "bytes_int8": _size(info.shape, Scheme.default(8).fit(info.shape[-1]), isz),  # the default
             "bytes_q4_g32": _size(info.shape, Scheme.default(4), isz),
         })
     identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None

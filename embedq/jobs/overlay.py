@@ -65,8 +65,12 @@ def _strip_weight(name: str) -> str:
 
 def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
                  head_scheme: Scheme | None = None, targets: list[str] | None = None,
-                 trust: str | None = None) -> tuple[list[ModulePlan], dict[str, str], bool]:
-    """Decide what to quantize: module plans, aliases, and whether the model is tied."""
+                 trust: str | None = None, fit_default: bool = False
+                 ) -> tuple[list[ModulePlan], dict[str, str], bool]:
+    """Decide what to quantize: module plans, aliases, and whether the model is tied.
+
+    ``fit_default``: the schemes are defaults, fitted to each table's width (:meth:`Scheme.fit`).
+    """
     t, tied_cfg = find_targets(ckpt, targets)
     identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
     tied = resolve_ties(t, tied_cfg, identical, trust, str(ckpt.path / CONFIG_NAME))
@@ -92,6 +96,8 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
         if info.dtype not in ST_TO_TORCH:
             raise SchemeError(f"{ckpt.path / info.file}: {p.tensor} has dtype {info.dtype}; "
                               "embedq quantizes BF16, F16 or F32 tables")
+        if fit_default and len(info.shape) == 2:
+            p.scheme = p.scheme.fit(info.shape[1])
         p.scheme.check_shape(info.shape, f"{ckpt.path / info.file}: {p.tensor}")
         p.shape, p.dtype, p.file = tuple(info.shape), ST_TO_TORCH[info.dtype], info.file
         p.aliases = sorted(a for a, o in aliases.items() if o == p.module)

@@ -64,13 +64,15 @@ def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) 
         base_qc = state.base_state(ckpt, r.force, derived=r.output is not None, warnings=notes)
     with stage("target discovery + tie check"):
         plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=r.lm_head, head_scheme=head_scheme,
-                                            targets=list(r.targets) if r.targets else None, trust=r.trust)
+                                            targets=list(r.targets) if r.targets else None, trust=r.trust,
+                                            fit_default=r.fit_default)
     if r.format == "compressed-tensors":
         refuse_tied(ckpt, tied, aliases)
     for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
         if p.scheme.method == "gptq" and p.role != "head" and not any(
                 is_head_name(a) for a in p.aliases):
             p.scheme = dataclasses.replace(p.scheme, method="mse")
+    scheme = plans[0].scheme  # as fitted to the embedding's width
     advice = scheme_advice(scheme, {"tie_word_embeddings": tied}, head_scheme=head_scheme,
                            lm_head=r.lm_head)
     if r.output is not None:

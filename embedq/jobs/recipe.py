@@ -49,6 +49,7 @@ class QuantizeRecipe:
 
     scheme: Scheme | None = field(default_factory=lambda: Scheme.default(DEFAULT_BITS))
     head_scheme: Scheme | None = None
+    fit_default: bool = True  # the grouping was not given: fit the default to each width (Scheme.fit)
     lm_head: bool = False
     targets: tuple[str, ...] | None = None
     trust: str | None = None
@@ -117,11 +118,11 @@ class QuantizeRecipe:
                 (scheme.group_size or 0) if hb == scheme.bits else None)
             head = Scheme.default(hb, scheme.symmetric if head_symmetric is None else head_symmetric,
                                   hg, scheme.method, scale_dtype)
-        return cls(scheme=scheme, head_scheme=head, **fields)
+        return cls(scheme=scheme, head_scheme=head, fit_default=group_size is None, **fields)
 
     def chosen(self, scheme: Scheme, calibration=None) -> "QuantizeRecipe":
         """This recipe with the scheme its search chose (and the calibration it measured with)."""
-        return dataclasses.replace(self, scheme=scheme, search=None,
+        return dataclasses.replace(self, scheme=scheme, search=None, fit_default=False,
                                    calibration=self.calibration if calibration is None else calibration)
 
     @property

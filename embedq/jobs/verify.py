@@ -18,6 +18,7 @@ from embedq.format.config import ModuleEntry
 from embedq.format.digest import hexdigest, new_hasher
 from embedq.format.reader import load_overlay
 from embedq.format.dtypes import dtype_from_name
+from embedq.quant.rtn import signed_max
 from embedq.quant.stream import ErrorStats, NonFiniteSource, check_finite, default_chunk_rows
 from embedq.jobs.report import ModuleReport, Report
 
@@ -31,7 +32,7 @@ def error_bound(x: torch.Tensor, entry: ModuleEntry) -> torch.Tensor:
     """Largest reconstruction error the scheme allows per group of ``x`` ([rows, groups]).
 
     A step is the group's range over its levels (``amax/qmax`` symmetric,
-    ``range/(2^b-1)`` asymmetric). Round-to-nearest (rtn) misses by at most half a step
+    ``range/(2^b-1)`` asymmetric, ``|m|/8`` for 4-bit signed-max). Round-to-nearest (rtn) misses by at most half a step
     (a whole step asymmetric, where the zero point is rounded too), plus the rounding of
     the stored scale (one unit of its dtype, and the dtype's smallest value for tiny
     groups). ``mse`` may clip outliers (ratios down to 0.6): half the group's largest
@@ -42,7 +43,12 @@ def error_bound(x: torch.Tensor, entry: ModuleEntry) -> torch.Tensor:
     g = s.effective_group(cols)
     xg = x.float().reshape(rows, cols // g, g)
     amax = xg.abs().amax(dim=-1)
-    if s.symmetric:
+    if signed_max(s):
+        # step |m| / 8; a value of the other sign near |m| is clipped to code 7 and misses
+        # by up to one step (also bounds absmax/7 overlays written before: amax/14)
+        step = amax / -s.qmin
+        factor = 1.0
+    elif s.symmetric:
         step = amax / s.qmax
         factor = 0.5
     else:

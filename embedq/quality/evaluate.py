@@ -12,7 +12,10 @@ last of each context, which has no next token to score perplexity against):
 - mean KLD(P_ref || P_quant) in nats, with a bootstrap 95% CI over contexts;
 - per-token KLD percentiles p50 / p90 / p99 / max;
 - same-top-1 %: how often both models' most likely next token agree (with CI);
-- perplexity of both models on the text and Δ perplexity (with CI).
+- perplexity of both models on the text and Δ perplexity (with CI);
+- the bf16 noise floor (``floor``; automatic for a bf16 checkpoint computed in float32):
+  the same statistics for the float model itself run in bfloat16 — the error users
+  already accept — so an overlay's KLD can be read against it.
 
 Default text: ``pydoc_data/topics.py`` of the running Python — the reference-manual
 topics that ``help()`` shows, shipped with every CPython. It varies a little between
@@ -71,6 +74,10 @@ class EvalResult:
     per_context: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     bos: bool = True
+    # the float model run in bfloat16 vs the reference (None: not measured)
+    floor_kld: float | None = None
+    floor_kld_ci95: tuple[float, float] | None = None
+    floor_same_top1: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +103,12 @@ class EvalResult:
             f"  perplexity      {self.ppl_reference:.4f} -> {self.ppl_quantized:.4f}   "
             f"Δ {self.delta_ppl:+.4f}   95% CI [{dlo:+.4f}, {dhi:+.4f}]",
         ]
+        if self.floor_kld is not None:
+            flo, fhi = self.floor_kld_ci95
+            ratio = self.mean_kld / self.floor_kld if self.floor_kld > 0 else math.inf
+            lines.append(f"  bf16 floor      mean KLD {self.floor_kld:.6f}   95% CI [{flo:.6f}, {fhi:.6f}]   "
+                         f"same top-1 {self.floor_same_top1:.2f}%  (the float model run in bfloat16; "
+                         f"the overlay: {ratio:.2f}x)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -144,12 +157,15 @@ def _bootstrap(per_ctx: dict[str, torch.Tensor], samples: int, seed: int) -> dic
 
 
 def compare_models(reference, quantized, contexts: torch.Tensor, *, bootstrap: int = BOOTSTRAP_SAMPLES,
-                   seed: int = 0, progress: bool = False) -> dict:
+                   seed: int = 0, progress: bool = False, floor=None) -> dict:
     """Run both models context by context; return the aggregated statistics.
 
     ``contexts``: [n, length] token ids. Never holds more than one context's logits.
+    ``floor``: a third model (the float one in bf16) measured against the reference the
+    same way; its mean KLD, CI and same-top-1 come back as ``floor_*``.
     """
     all_kld, per = [], {"kld": [], "same": [], "nll_r": [], "nll_q": [], "n": []}
+    fl = {"kld": [], "same": [], "nll_r": [], "nll_q": [], "n": []}
     it = range(contexts.shape[0])
     if progress:
         from tqdm.auto import tqdm
@@ -162,7 +178,15 @@ def compare_models(reference, quantized, contexts: torch.Tensor, *, bootstrap: i
             lr = reference(input_ids=ids.to(dev_r), use_cache=False).logits[0, :-1].float().cpu()
             lq = quantized(input_ids=ids.to(dev_q), use_cache=False).logits[0, :-1].float().cpu()
         kld, same, nll_r, nll_q = token_stats(lr, lq, ids[0, 1:])
-        del lr, lq
+        del lq
+        if floor is not None:
+            with torch.inference_mode():
+                lf = floor(input_ids=ids.to(_device_of(floor)), use_cache=False).logits[0, :-1].float().cpu()
+            for k, v in zip(("kld", "same", "nll_r", "nll_q"), token_stats(lr, lf, ids[0, 1:])):
+                fl[k].append(float(v.sum()))
+            fl["n"].append(kld.numel())
+            del lf
+        del lr
         all_kld.append(kld)
         per["kld"].append(float(kld.sum()))
         per["same"].append(float(same.sum()))
@@ -177,7 +201,13 @@ def compare_models(reference, quantized, contexts: torch.Tensor, *, bootstrap: i
     qs = torch.quantile(kl, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
     cis = _bootstrap(pc, bootstrap, seed) if bootstrap else {
         "kld": (math.nan, math.nan), "same": (math.nan, math.nan), "dppl": (math.nan, math.nan)}
+    out = {}
+    if floor is not None:
+        fc = {k: torch.tensor(v, dtype=torch.float64) for k, v in fl.items()}
+        out = {"floor_kld": float(fc["kld"].sum()) / n, "floor_same_top1": 100.0 * float(fc["same"].sum()) / n,
+               "floor_kld_ci95": _bootstrap(fc, bootstrap, seed)["kld"] if bootstrap else (math.nan, math.nan)}
     return {
+        **out,
         "tokens": int(n),
         "mean_kld": float(kl.mean()),
         "kld_ci95": cis["kld"],
@@ -232,6 +262,14 @@ def check_reference(path: Path, reference: Path, qconfig: dict) -> None:
                             f"{name} was made from {e['shape']} (a different model?)")
 
 
+def source_is_bf16(path: Path, qconfig: dict) -> bool:
+    """Whether every quantized module's float source tensor in ``path`` is bfloat16."""
+    from embedq.format.checkpoint import Checkpoint
+    ck = Checkpoint.open(path)
+    srcs = [(e.get("source") or {}).get("tensor", n + ".weight") for n, e in qconfig["modules"].items()]
+    return bool(srcs) and all(ck.has(t) and ck.tensor(t).dtype == "BF16" for t in srcs)
+
+
 def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = None,
               dtype="float32", float_head: bool = False, device: str | None = None):
     """(reference model, quantized model) for ``path``; see :func:`evaluate`."""
@@ -272,7 +310,7 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
              reference: str | os.PathLike | None = None, dtype="float32", float_head: bool = False,
              tokens: list[int] | torch.Tensor | None = None, bos: int | None | str = "auto",
              bootstrap: int = BOOTSTRAP_SAMPLES, seed: int = 0, progress: bool = True,
-             device: str | None = None) -> EvalResult:
+             device: str | None = None, floor: bool | None = None) -> EvalResult:
     """Mean / percentile KLD, same-top-1 and Δ perplexity of the overlay at ``path``.
 
     - ``reference``: the float checkpoint (default: ``path`` itself, whose shards still
@@ -284,6 +322,9 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
     - ``float_head``: keep the float head in the quantized model (measures the gather only).
     - ``bos``: token id that starts every context (``"auto"``: the tokenizer's / config's).
     - ``device``: where both models run (``"cuda"`` ...; default CPU).
+    - ``floor``: also measure the float model run in bfloat16 against the reference (the
+      noise floor, one more forward pass per context); ``None``: when the checkpoint's
+      tables are bf16 and ``dtype`` is float32.
     """
     t0 = time.perf_counter()
     from embedq.format.reader import read_overlay_config
@@ -307,9 +348,16 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
         ctx = text_contexts(tokenizer, body, contexts, length, bos)
     else:
         ctx = make_contexts(tokens, contexts, length, bos)
+    ref_path = Path(reference) if reference is not None else p
+    if floor and _dtype(dtype) != torch.float32:
+        raise EvalError(f"{p}: the bf16 floor is measured against a float32 reference; drop --floor "
+                        f"or use --dtype float32 (not {dtype})")
+    if floor is None:
+        floor = _dtype(dtype) == torch.float32 and source_is_bf16(ref_path, qconfig)
     ref, quant = load_pair(p, reference, dtype, float_head, device)
-    stats = compare_models(ref, quant, ctx, bootstrap=bootstrap, seed=seed, progress=progress)
-    del ref, quant
+    low = load_reference(ref_path, type(quant), torch.bfloat16, device) if floor else None
+    stats = compare_models(ref, quant, ctx, bootstrap=bootstrap, seed=seed, progress=progress, floor=low)
+    del ref, quant, low
     return EvalResult(path=str(p), reference=str(Path(reference) if reference else p), text=desc,
                       contexts=contexts, length=length, dtype=str(_dtype(dtype)).replace("torch.", ""),
                       modules=_labels(qconfig, float_head), float_head=float_head,

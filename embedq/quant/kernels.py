@@ -58,11 +58,12 @@ class KernelSpec:
 
 
 def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Same result as :func:`embedq.quant.rtn.round_scale_up`, branch-free."""
+    """Same result as :func:`embedq.quant.rtn.round_scale_up` (magnitude never rounded
+    down; signed-max scales may be negative), branch-free."""
     if dtype == torch.float32:
         return scale
     s = scale.to(dtype)
-    low = s.float() < scale
+    low = s.float().abs() < scale.abs()
     return torch.where(low, (s.view(_INT16_OF[dtype]) + 1).view(dtype), s)
 
 
@@ -92,13 +93,23 @@ def fused_rtn(x: torch.Tensor, bits: int, group: int, symmetric: bool,
         parts = [x.float().reshape(rows, cols // group, group)]
     qmax = (1 << (bits - 1)) - 1
     qmin = -qmax - 1
-    if symmetric:
+    if symmetric and bits == 4:  # signed-max (rtn.signed_max): the signed extreme -> qmin
+        lo, hi = parts[0].amin(dim=-1), parts[0].amax(dim=-1)
+        for p in parts[1:]:
+            lo = torch.minimum(lo, p.amin(dim=-1))
+            hi = torch.maximum(hi, p.amax(dim=-1))
+        m = torch.where(-lo > hi, lo, hi)
+        scale = m / qmin
+        scale = torch.where((m > 0) | (m < 0), scale, torch.ones_like(scale))
+        s = _round_scale_up(scale, scale_dtype)
+    elif symmetric:
         amax = parts[0].abs().amax(dim=-1)
         for p in parts[1:]:
             amax = torch.maximum(amax, p.abs().amax(dim=-1))
         scale = amax / qmax
         scale = torch.where(amax > 0, scale, torch.ones_like(scale))
         s = _round_scale_up(scale, scale_dtype)
+    if symmetric:
         sf = s.float().unsqueeze(-1)
         qs = [torch.round(p / sf).clamp(qmin, qmax) for p in parts]
         zp = None

@@ -113,7 +113,7 @@ static inline void qblock(const float* restrict v, int64_t n, float sc, float z,
     }
 }
 
-/* A float32 scale rounded to the storage dtype, never down (rtn.round_scale_up):
+/* A float32 scale rounded to the storage dtype, its magnitude never down (rtn.round_scale_up):
    kind 0 float32, 1 bfloat16 (round to nearest even, as torch), 2 float16. */
 static inline float scale_up(float scale, int kind, void* out, int64_t k) {
     if (kind == 0) { ((float*)out)[k] = scale; return scale; }
@@ -122,10 +122,10 @@ static inline float scale_up(float scale, int kind, void* out, int64_t k) {
         uint32_t w = fbits(scale);
         h = scale != scale ? 0x7fc0 : (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
         f = bf16f(h);
-        if (f < scale) { h = (uint16_t)(h + 1); f = bf16f(h); }
+        if (fabsf(f) < fabsf(scale)) { h = (uint16_t)(h + 1); f = bf16f(h); }
     } else {
         _Float16 x = (_Float16)scale; memcpy(&h, &x, 2); f = (float)x;
-        if (f < scale) { h = (uint16_t)(h + 1); memcpy(&x, &h, 2); f = (float)x; }
+        if (fabsf(f) < fabsf(scale)) { h = (uint16_t)(h + 1); memcpy(&x, &h, 2); f = (float)x; }
     }
     ((uint16_t*)out)[k] = h;
     return f;
@@ -146,10 +146,12 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
     for (int64_t k = 0; k < ngroups; k++) {                                                  \
         const T* p = x + k * g;                                                              \
         float a, b, sc, z = 0.0f;                                                            \
-        RANGE(p, 1, g, asym, &a, &b);                                                        \
+        RANGE(p, 1, g, asym || bits == 4, &a, &b); /* 4-bit sym: min (a) and max (b) */    \
         if (!asym) {                                                                         \
-            float scale = a / qmax;                                                          \
-            sc = scale_up(a > 0 ? scale : 1.0f, kind, s_out, k);                             \
+            /* 8 bits: absmax / qmax; 4 bits: signed-max, the signed extreme / qmin */       \
+            float m = bits == 4 ? (-a > b ? a : b) : a;                                      \
+            float scale = bits == 4 ? m / qmin : m / qmax;                                   \
+            sc = scale_up(m > 0 || m < 0 ? scale : 1.0f, kind, s_out, k);                    \
         } else {                                                                             \
             float lo = a > 0 ? 0.0f : a, hi = b < 0 ? 0.0f : b; /* clamp; NaN stays NaN */    \
             float span = hi - lo;                                                            \

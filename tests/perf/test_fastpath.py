@@ -57,7 +57,8 @@ def _wabs(qt: QuantizedTable) -> torch.Tensor:
     zp = torch.zeros_like(qt.scale, dtype=torch.float32) if qt.zero_point is None else qt.zero_point.float().abs()
     g = qt.cols if qt.group_size is None else qt.group_size
     qg = q.reshape(qt.rows, -1, g) + zp.unsqueeze(-1)
-    return (qg * qt.scale.float().unsqueeze(-1)).reshape(qt.rows, qt.cols)
+    # |scale|: 4-bit sym (signed-max) scales may be negative
+    return (qg * qt.scale.float().abs().unsqueeze(-1)).reshape(qt.rows, qt.cols)
 
 
 def _reference(qt: QuantizedTable, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,9 @@ def table(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tens
     x[4] = -torch.rand(cols, generator=g)  # only negative values (asym range contains 0)
     x[5] = torch.rand(cols, generator=g) + 3  # only positive values
     x[6, ::7] = 1e-30  # subnormal / tiny values
+    x[7, 1::16] = -x[7, ::16].abs().float() * 1.001  # signed-max: negative extremes, positive scales
+    x[8, ::8] = x[8, 1::8].abs() + 0.25  # ... positive extremes, negative scales
+    x[9, :2] = torch.tensor([3.0, -3.0])  # ... a tie: the positive one is the extreme
     return x.to(dtype)
 
 

@@ -12,7 +12,8 @@ UNTIED = {"tie_word_embeddings": False}
 
 
 @pytest.mark.parametrize("scheme,config,kw,warns", [
-    (Scheme.default(8), TIED, {}, True),  # int8 per-row, tied: 0.0067 / 96.5%
+    (Scheme.default(8), TIED, {}, False),  # the default, int8 g64: below the bf16 floor
+    (Scheme.default(8, group_size=0), TIED, {}, True),  # int8 per-row, tied: 0.0067 / 96.5%
     (Scheme.default(8, group_size=128), TIED, {}, False),
     (Scheme.default(8, group_size=32), TIED, {}, False),
     (Scheme.default(4), TIED, {}, True),
@@ -22,7 +23,8 @@ UNTIED = {"tie_word_embeddings": False}
     (Scheme.default(4), UNTIED, {}, True),
     (Scheme.default(8), UNTIED, {"lm_head": True}, False),
     (Scheme.default(4), UNTIED, {"lm_head": True}, True),
-    (Scheme.default(8), {"text_config": {"tie_word_embeddings": True}, "tie_word_embeddings": False}, {}, True),
+    (Scheme.default(8, group_size=0), {"text_config": {"tie_word_embeddings": True},
+                                       "tie_word_embeddings": False}, {}, True),
 ])
 def test_advice(scheme, config, kw, warns):
     a = scheme_advice(scheme, config, **kw)
@@ -49,7 +51,9 @@ def test_warnings_agree_with_the_measurements():
 def test_quantize_reports_the_advice(model_factory, tmp_path):
     import embedq
     src = model_factory("qwen2_tied")
-    rep = embedq.quantize(src, bits=8, progress=False)
+    rep = embedq.quantize(src, bits=8, progress=False)  # the default: no warning about itself
+    assert rep.modules[0].scheme == "int8 g64 sym" and not any("Gemma 3 270M" in w for w in rep.warnings)
+    rep = embedq.quantize(src, bits=8, group_size=0, force=True, progress=False)
     assert any("measurably lossy" in w for w in rep.warnings)
     assert "warning: int8 per-row on a tied table" in rep.table()
     rep = embedq.quantize(src, bits=8, group_size=32, force=True, progress=False)

@@ -152,3 +152,46 @@ def test_cli_eval_errors_are_one_line(model_factory, tmp_path):
     embedq.quantize(src, bits=8, progress=False)
     res = CliRunner().invoke(app, ["eval", str(src), "--text", str(tmp_path / "missing.txt")])
     assert res.exit_code == 2 and "missing.txt: text file not found" in res.output
+
+
+def test_bf16_floor_is_the_float_model_run_in_bf16(model_factory):
+    """A bf16 checkpoint gets the noise floor by default: the float model in bfloat16 vs float32."""
+    src = model_factory("qwen2_tied")
+    embedq.quantize(src, bits=8, progress=False)
+    r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
+    ctx = make_contexts(TOKENS, 3, 8, BOS)
+    cls = transformers.AutoModelForCausalLM
+    ref, low = load_reference(src, cls, torch.float32), load_reference(src, cls, torch.bfloat16)
+    kl = []
+    with torch.no_grad():
+        for ids in ctx:
+            p = torch.log_softmax(ref(ids[None]).logits[0, :-1].double(), -1)
+            q = torch.log_softmax(low(ids[None]).logits[0, :-1].float().double(), -1)
+            kl += (p.exp() * (p - q)).sum(-1).clamp_min(0).tolist()
+    assert r.floor_kld > 0 and r.floor_kld == pytest.approx(sum(kl) / len(kl), rel=1e-6)
+    assert r.floor_kld_ci95[0] <= r.floor_kld <= r.floor_kld_ci95[1]
+    assert 0 <= r.floor_same_top1 <= 100
+    assert "bf16 floor" in r.table() and "x)" in r.table()
+    off = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False, floor=False)
+    assert off.floor_kld is None and "bf16 floor" not in off.table()
+    assert off.mean_kld == r.mean_kld  # the floor adds a model, changes nothing else
+    with pytest.raises(EvalError, match="float32 reference"):
+        embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False, floor=True,
+                        dtype="bfloat16")
+    bf = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False, dtype="bfloat16")
+    assert bf.floor_kld is None  # not measured against a bf16 computation
+
+
+def test_cli_eval_floor_flag(model_factory, tmp_path):
+    src = model_factory("qwen2_tied")
+    add_tokenizer(src, 512)
+    embedq.quantize(src, bits=8, progress=False)
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(f"The {i}th line says something about Python {i % 13}." for i in range(300)))
+    res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "2", "--length", "16",
+                                   "--no-floor", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["floor_kld"] is None
+    res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "2", "--length", "16",
+                                   "--floor", "--dtype", "bfloat16"])
+    assert res.exit_code == 2 and "float32 reference" in res.output

@@ -23,7 +23,7 @@ def test_gemma3_loads_generates_and_equals_dequantized_reference(gemma3_copy):
     assert isinstance(model.lm_head, QuantizedLMHead) and model.lm_head.table is model.model.embed_tokens.table
     assert model.model.embed_tokens.scalar_embed_scale == pytest.approx(640 ** 0.5)
     n = quantized_nbytes(model)
-    assert n == overlay_tensor_bytes(path) == 262144 * 640 + 262144 * 2 + 16  # int8 per row: the same bytes
+    assert n == overlay_tensor_bytes(path) == 262144 * 640 + 262144 * 10 * 2 + 16  # int8 g64: the same bytes
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     assert ids[0, 0] == tok.bos_token_id
@@ -35,7 +35,7 @@ def test_gemma3_loads_generates_and_equals_dequantized_reference(gemma3_copy):
     print("\n" + tok.decode(out[0]))
 
 
-def test_gemma3_eval_defaults_int8_row(gemma3_copy):
+def test_gemma3_eval_defaults_int8_g64(gemma3_copy):
     embedq.quantize(gemma3_copy, bits=8, progress=False)
     t0 = time.perf_counter()
     r = embedq.evaluate(gemma3_copy, progress=False)
@@ -43,8 +43,9 @@ def test_gemma3_eval_defaults_int8_row(gemma3_copy):
     print(f"\n{r}\n({took:.0f} s)")
     assert took < 300  # the budget for the defaults on 2 CPU cores
     assert (r.contexts, r.length, r.tokens) == (12, 128, 12 * 127)
-    # int8 per-row on this tied model is measurably lossy, but not broken
-    assert 0.001 < r.mean_kld < 0.05
+    # the int8 default (g64) adds less than running the model in bf16 (measured 0.00048 vs
+    # 0.00070, docs/methods.md); the floor comes with a bf16 model by default
+    assert 0 < r.mean_kld < r.floor_kld < 0.005
     assert r.kld_ci95[0] <= r.mean_kld <= r.kld_ci95[1]
     assert 90.0 < r.same_top1 < 100.0
     assert abs(r.delta_ppl) < 0.1 * r.ppl_reference

@@ -40,7 +40,7 @@ def test_llama_style_plan_by_hand(tmp_path):
     assert sum(r.per_token_bytes.values()) == per_token
     usable = int(10 * GiB * 0.9)
     w_float = 1024 * 256 * 2 + 256 * 2048 * 2
-    overlay = 1024 * 256 + 1024 * 2 + 16  # int8 codes + one bf16 scale per row + weight_shape
+    overlay = 1024 * 256 + 1024 * 4 * 2 + 16  # int8 codes + a bf16 scale per 64 columns + weight_shape
     w_int8 = 256 * 2048 * 2 + overlay
     assert (r.before.weights, r.after.weights) == (w_float, w_int8)
     block = 16 * per_token  # one 16-token block in all 32 layers (one group)
@@ -55,7 +55,7 @@ def test_llama_style_plan_by_hand(tmp_path):
         # longest request whose blocks fit next to the null block, capped by max_position_embeddings
         assert cap.max_context == min((cap.num_blocks - 1) * 16, 131072)
     assert r.extra_tokens == 16 * ((usable - w_int8 - GiB) // block - (usable - w_float - GiB) // block)
-    assert r.scheme == "int8 row sym" and r.overlay_source.startswith("estimate")
+    assert r.scheme == "int8 g64 sym" and r.overlay_source.startswith("estimate")
     # fp8 KV halves the page
     r8 = embedq.plan(ck, "10GiB", kv_dtype="fp8", max_model_len=8192, reserve="1GiB")
     assert r8.before.kv_tokens == (usable - w_float - GiB) // (block // 2) * 16
@@ -236,7 +236,7 @@ def test_config_only_folder_needs_weights_gib(tmp_path):
     r = embedq.plan(folder, "10GiB", weights_gib=2, kv_dtype="bf16", max_model_len=8192, reserve="1GiB")
     table = 1024 * 256 * 2
     assert r.before.weights == 2 * GiB
-    assert r.after.weights == 2 * GiB - table + 1024 * 256 + 1024 * 2 + 16
+    assert r.after.weights == 2 * GiB - table + 1024 * 256 + 1024 * 4 * 2 + 16  # int8 g64
     assert r.overlay_source == "estimate from config.json and --weights-gib"
     res = CliRunner().invoke(app, ["plan", str(folder), "--weights-gib", "2", "--json"])
     assert res.exit_code == 0, res.output

@@ -78,7 +78,7 @@ def test_plan_hub_id_reads_config_and_headers_only(hub, sharded, tmp_path):
     repo = _repo(hub, sharded=sharded)
     r = embedq.plan(repo, "2GiB", kv_dtype="bf16", max_model_len=4096, reserve="0.5GiB")
     assert r.path == repo and r.before.weights == W_FLOAT
-    overlay = 2048 * 512 + 2048 * 2 + 16
+    overlay = 2048 * 512 + 2048 * 8 * 2 + 16  # int8 g64: 8 bf16 scales per row
     assert r.after.weights == 512 * 1024 * 2 + overlay
     assert r.overlay_source.startswith("estimate")
     _no_weight_bytes(hub)
