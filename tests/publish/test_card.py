@@ -42,7 +42,7 @@ def _qconfig(folder):
 def test_derived_card_front_matter_parses_and_validates(model_factory, derive):
     src = model_factory("qwen2_tied")
     (src / "README.md").write_text(SOURCE_CARD)
-    _, out, report = derive("qwen2_tied", source=src, base_model="Qwen/Qwen2-0.5B",
+    _, out, report = derive("qwen2_tied", source=src, group_size=0, base_model="Qwen/Qwen2-0.5B",
                             base_revision="0123456789abcdef0123456789abcdef01234567")
     card, data = _card(out)
     assert data["base_model"] == "Qwen/Qwen2-0.5B"  # the user's, not the source card's parent
@@ -73,7 +73,7 @@ def test_derived_card_front_matter_parses_and_validates(model_factory, derive):
 
 
 def test_untied_head_and_checkpoint_bytes(derive):
-    _, out, report = derive("llama_untied_sharded", lm_head=True, head_bits=8, bits=4,
+    _, out, report = derive("llama_untied_sharded", lm_head=True, head_bits=8, head_group_size=0, bits=4,
                             base_model="meta-llama/Llama-3.2-1B")
     card, data = _card(out)
     assert "4-bit" in data["tags"] and "int8" in data["tags"]
@@ -185,7 +185,7 @@ def test_refresh_refuses_foreign_readme(tmp_path):
 
 
 def test_report_to_model_card(derive):
-    _, out, report = derive("gemma3_tied")
+    _, out, report = derive("gemma3_tied", group_size=0)
     text = report.to_model_card(base_model="google/gemma-3-270m", repo_id="me/gemma-q")
     data = ModelCard(text).data.to_dict()
     validate_metadata(data)
@@ -262,6 +262,7 @@ EVAL_RESULT = {  # the fields of embedq.quality.evaluate.EvalResult.to_dict()
     "same_top1_ci95": [95.1, 97.3], "ppl_reference": 10.5, "ppl_quantized": 10.6,
     "delta_ppl": 0.1, "delta_ppl_ci95": [0.05, 0.15],
     "per_context": [{"kld": 0.006}] * 12, "seconds": 40.0, "bos": True,
+    "floor_kld": 0.0007, "floor_kld_ci95": [0.00065, 0.00075], "floor_same_top1": 98.4,
 }
 
 

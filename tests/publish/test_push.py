@@ -80,7 +80,7 @@ def test_dry_run_overlay_bundle_and_text(derive):
 
 def test_push_sends_the_expected_commit(derive, tmp_path):
     """The CLI in a subprocess, with HF_ENDPOINT pointing at the fake Hub."""
-    _, out, _ = derive("llama_untied_sharded", lm_head=True, base_model="meta-llama/Llama-3.2-1B")
+    _, out, _ = derive("llama_untied_sharded", lm_head=True, group_size=0, base_model="meta-llama/Llama-3.2-1B")
     _clutter(out)
     with FakeHub() as hub:
         r = subprocess.run([sys.executable, "-m", "embedq.cli", "push", str(out), "--repo-id",
