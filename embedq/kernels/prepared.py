@@ -38,26 +38,17 @@ table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype 
   tensor in the prepared ``dtype``; ``_weight_int4pack_mm_for_cpu``. Per-row and
   groups larger than 256 are expressed as groups the op supports (scales repeated).
 * ``chunked``    anything else: the on-disk layout, dequantized a bounded chunk of rows
-  at a time (the reference arithmetic). Chosen with a one-time warning naming why:
-  4-bit on CUDA (tinygemm ``_weight_int4pack_mm``/Triton not wired yet), int8 with
-  columns or groups not a multiple of 16, 4-bit groups not a multiple of 32, scales
-  not exact in the activation dtype, a CPU whose int4 layout is not recognized.
+  at a time (the reference arithmetic), with a one-time warning naming why a better
+  layout was refused. Activations in a dtype a layout's kernel does not take (the
+  native and torch CPU kernels: bf16) run the same chunked arithmetic over that layout.
 
-Memory: int8 paths hold exactly the overlay's bytes. int4 holds the kernel's interleaved
-[groups, rows, 2] scale/zero pairs in the activation dtype (4 bytes per group instead of
-2 (+0.5 zero point)) and rows padded to 64: Gemma 270M head g32 100 MiB vs 90 MiB on disk.
+Memory: the native and Triton layouts hold the overlay's bytes (native: plus rows padded
+to 16); the torch fallbacks int8 the same, int4 its interleaved [groups, rows, 2]
+scale/zero pairs in the activation dtype and rows padded to 64.
 
-Batch size: torch's CPU kernels re-decode the weights for every 4 activation rows, so
-their time grows linearly with the batch (Gemma head, 2 cores: int8 0.5x bf16 at batch
-1, ~1.2x at 8, ~6x at 64; int4 g32 0.3x, ~0.8x, ~4x). Dequantize-then-GEMM does not help
-for prefill here: int8 -> float conversion alone costs ~1 s per 167M elements on this
-torch build. A better prefill path (int8 GEMM with dynamic activation quantization, or a
-compiled kernel) is open.
-
-Activations in another dtype than the fast op handles (on x86 the vectorized CPU
-kernels exist for bf16 only; the fp16/fp32 kernels are scalar loops, ~5-10x slower
-than chunked dequantization) go through the same chunked dequantization, decoding
-rows from the prepared layout.
+Batch size: the native kernel reads each weight byte once per call at every M (measured
+in docs/performance.md, "Serving speed"); torch's fallback ops re-decode the weights for
+every 4 activation rows, so their time grows with the batch.
 """
 
 from __future__ import annotations
