@@ -39,8 +39,29 @@ def cpu_ident() -> str:
     return platform.machine() + platform.processor()
 
 
-def cpu_flags() -> set[str]:
+def _hardware_flags() -> set[str]:
     return set(cpu_ident().split(":", 1)[-1].split())
+
+
+def cpu_flags() -> set[str]:
+    """The CPU features embedq's kernels may use: the hardware's, minus what
+    ``EMBEDQ_CPU_FEATURES`` takes away.
+
+    ``EMBEDQ_CPU_FEATURES`` lets one machine test every route it can run (an AVX512-BF16
+    CPU also runs the AVX2 and portable variants): comma- or space-separated tokens,
+    ``-flag`` removes a feature (``-avx512_bf16``, ``-avx512f``), a bare list keeps only
+    the named features the hardware has (``avx2,fma,f16c``; ``none`` = no SIMD features).
+    A feature the hardware lacks is never added (the code would not run).
+    """
+    hw = _hardware_flags()
+    spec = os.environ.get("EMBEDQ_CPU_FEATURES", "").replace(",", " ").split()
+    if not spec:
+        return hw
+    keep = {t for t in spec if not t.startswith("-")}
+    out = hw & keep if keep else set(hw)
+    if "none" in keep:
+        out = set()
+    return out - {t[1:] for t in spec if t.startswith("-")}
 
 
 def kernel_cache_dir() -> Path:
