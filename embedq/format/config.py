@@ -44,16 +44,8 @@ def _is_int(v: Any) -> bool:
 
 
 def onnx_block_size(scheme: Scheme, cols: int) -> int | None:
-    """Block size ONNX Runtime uses for this table, or None if it has none.
-
-    The largest power of two dividing the group (per row: the whole row); each
-    group becomes ``group/block`` blocks repeating its scale and zero point.
-    ONNX Runtime needs a block of at least 16. Must agree with
-    :func:`embedq.backends.onnx.onnx_block_size`.
-    """
-    g = cols if scheme.group_size is None else scheme.group_size
-    b = g & -g
-    return b if b >= 16 else None
+    """Block size ONNX Runtime uses for this table, or None (:meth:`Scheme.onnx_block_size`)."""
+    return scheme.onnx_block_size(cols)
 
 
 def module_entry(scheme: Scheme, shape: tuple[int, int], scale_dtype: str, source: dict,
@@ -112,16 +104,7 @@ class ModuleEntry:
 
     def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The overlay tensors this entry declares: name -> (safetensors dtype, shape)."""
-        rows, cols = self.shape
-        s = self.scheme
-        t = {
-            f"{self.name}.weight_packed": ("I32", (rows, cols * s.bits // 32)),
-            f"{self.name}.weight_scale": (SCALE_ST_NAMES[self.scale_dtype], (rows, s.groups(cols))),
-            f"{self.name}.weight_shape": ("I64", (2,)),
-        }
-        if not s.symmetric:
-            t[f"{self.name}.weight_zero_point"] = ("I32", (-(-rows * s.bits // 32), s.groups(cols)))
-        return t
+        return self.scheme.overlay_tensors(self.name, self.shape, SCALE_ST_NAMES[self.scale_dtype])
 
 
 @dataclass(frozen=True)
@@ -219,7 +202,7 @@ def _entry(name: str, e: Any, where: str, algo: str = DIGEST) -> ModuleEntry:
     rows, cols = shape
     if not (1 <= rows <= MAX_ROWS and 1 <= cols <= MAX_COLS and rows * cols <= MAX_ELEMENTS):
         raise OverlayError(f"{where}: module {name}: shape {_show(shape)} out of range")
-    if (cols * scheme.bits) % 32:
+    if not scheme.unit.fits(cols):
         raise OverlayError(f"{where}: module {name}: {cols} columns x {scheme.bits} bits is not "
                            "a whole number of int32 words")
     if scheme.group_size is not None and cols % scheme.group_size:
