@@ -22,6 +22,7 @@ from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUAN
                                      READABLE_FORMAT_VERSIONS, ROLES, ST_FLOAT_NAMES, SUPPORTED_BITS,
                                      is_embedding_name, may_replace, is_head_name)
 from embedq.format.digest import DIGEST, VERSION_DIGESTS, digest_for
+from embedq.format.files import read_json
 from embedq.format.scheme import Scheme
 
 # A module or tensor name: dotted identifiers, as in a PyTorch state dict.
@@ -299,24 +300,8 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
 
 def read_config_file(path: str | os.PathLike) -> OverlayConfig:
     """Parse ``quantization_config.json`` (or a JSON file holding such a config)."""
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            data = f.read(16 << 20)
-            if f.read(1):
-                raise OverlayError(f"{p}: too large for a quantization config")
-        cfg = json.loads(data, parse_constant=_no_constant)
-    except FileNotFoundError:
-        raise OverlayError(f"{p}: not found") from None
-    except IsADirectoryError:
-        raise OverlayError(f"{p}: a folder, not a JSON file") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN
-        raise OverlayError(f"{p}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
-    return parse_config(cfg, str(p))
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+    cfg = read_json(path, OverlayError, max_bytes=16 << 20, what="quantization config")
+    return parse_config(cfg, str(Path(path)))
 
 
 def scheme_of(entry: Mapping | ModuleEntry) -> Scheme:

@@ -21,6 +21,16 @@ DEFAULT_METHOD = "rtn"
 DEFAULT_GROUP = {b: g for b, (g, _) in DEFAULT_SCHEMES.items()}
 
 
+# ONNX Runtime's block quantization (GatherBlockQuantized / MatMulNBits): blocks are a
+# power of two of at least this many elements.
+ONNX_MIN_BLOCK = 16
+
+
+def onnx_block(group: int) -> int:
+    """The largest power of two dividing ``group`` (the ONNX block a group splits into)."""
+    return group & -group
+
+
 @dataclass(frozen=True)
 class Scheme:
     """One table's quantization: ``bits``, symmetry and grouping.
@@ -144,9 +154,8 @@ class Scheme:
         none: the largest power of two dividing the group (per row: the whole row); each
         group becomes ``group/block`` blocks repeating its scale and zero point. ONNX
         Runtime needs a block of at least 16."""
-        g = self.effective_group(cols)
-        b = g & -g
-        return b if b >= 16 else None
+        b = onnx_block(self.effective_group(cols))
+        return b if b >= ONNX_MIN_BLOCK else None
 
     def label(self) -> str:
         g = "row" if self.group_size is None else f"g{self.group_size}"

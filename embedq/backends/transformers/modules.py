@@ -13,7 +13,7 @@ from embedq.format.codec import dequantize_rows as codec_dequantize_rows
 from embedq.format.codec import zero_points_of
 from embedq.format.config import ModuleEntry, OverlayConfig
 from embedq.format.constants import HEAD_NAMES, SUPPORTED_BITS
-from embedq.format.dtypes import ST_TO_TORCH, dtype_from_name
+from embedq.format.dtypes import ST_NAME_TO_DTYPE, dtype_from_name
 from embedq.format.scheme import Scheme
 from embedq.kernels import PreparedTable
 from embedq.format.reader import load_overlay
@@ -46,7 +46,7 @@ class PackedTable(nn.Module):
         self.groups = scheme.groups(cols)
         # the overlay's tensors, as buffers (format.scheme: the one tensor list)
         for name, (st, shape) in scheme.tensor_shapes((rows, cols), "").items():
-            dt = scale_dtype if name == "weight_scale" else ST_TO_TORCH[st]
+            dt = scale_dtype if name == "weight_scale" else ST_NAME_TO_DTYPE[st]
             self.register_buffer(name, torch.empty(shape, dtype=dt, device=device), persistent=False)
         if symmetric:
             self.weight_zero_point = None
