@@ -103,7 +103,7 @@ def test_c_quantizer_matches_the_unit(bits, group, sym, dtype, scale_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernel_source_matches_the_unit(bits, group, sym, dtype):
     """The fused kernel's function (eager: what inductor compiles) against the reference."""
-    from embedq.quant.kernels import PAIRS_BITS, fused_rtn
+    from embedq.quant.fused import PAIRS_BITS, fused_rtn
     x = _table(24, 64, dtype)
     s = Scheme(bits=bits, symmetric=sym, group_size=group)
     q, sc, zp = quantize_rtn(x, s, torch.bfloat16)

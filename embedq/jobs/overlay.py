@@ -26,7 +26,7 @@ from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
-from embedq.quant.kernels import has_cached_kernel, native_ready
+from embedq.quant.fused import has_cached_kernel, native_ready
 from embedq.quant.profile import stage
 from embedq.quant.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline, check_finite,
                                  default_chunk_rows, quantize_pack_chunk, stats_finite)

@@ -3,7 +3,7 @@
 The heavy, element-wise part of RTN (``u = clamp(round(x / s) + zp) + 2^(b-1)``, packed,
 plus the error statistics) is one loop in C, compiled on first use with the system C
 compiler (``cc -O3 -march=native -ffp-contract=off``; ~0.3 s, no torch headers, no
-inductor) into :func:`embedq.quant.kernels.kernel_cache_dir` and loaded with
+inductor) into :func:`embedq.kernels.build.kernel_cache_dir` and loaded with
 :mod:`ctypes` (which releases the GIL during the call). Scales and zero points are
 computed by torch, by the same code as the reference (they are small: one per group).
 

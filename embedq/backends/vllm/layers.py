@@ -60,7 +60,7 @@ class _Spec:
     """One overlay module as the vLLM layers need it (from the validated config entry)."""
 
     __slots__ = ("name", "rows", "cols", "bits", "group_size", "symmetric", "scale_dtype",
-                 "groups")
+                 "groups", "zero_point_rows")
 
     def __init__(self, name: str, entry: ModuleEntry):
         self.name = name
