@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from embedq.format.scheme import RowsCols
 from embedq.format.scheme_units import unit_for
 
 if sys.byteorder != "little":  # pragma: no cover - all supported hosts are little-endian
@@ -178,7 +179,7 @@ def zero_points_of(packed_zp: torch.Tensor, bits: int, ids: torch.Tensor) -> tor
 
 
 @dataclass
-class QuantizedTable:
+class QuantizedTable(RowsCols):
     """One quantized module: ``weight_packed`` plus scales (and zero points).
 
     ``zero_point`` is kept unpacked (signed int8 [rows, groups]); use
@@ -196,14 +197,6 @@ class QuantizedTable:
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                    bits: int, group_size: int | None) -> "QuantizedTable":
         return cls(pack_int32(q, bits), scale, zero_point, bits, group_size, tuple(q.shape))
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
 
     @property
     def symmetric(self) -> bool:

@@ -23,7 +23,7 @@ from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUAN
                                      is_embedding_name, may_replace, is_head_name)
 from embedq.format.digest import DIGEST, VERSION_DIGESTS, digest_for
 from embedq.format.files import read_json
-from embedq.format.scheme import Scheme
+from embedq.format.scheme import RowsCols, Scheme
 
 # A module or tensor name: dotted identifiers, as in a PyTorch state dict.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
@@ -81,7 +81,7 @@ class SourceRef:
 
 
 @dataclass(frozen=True)
-class ModuleEntry:
+class ModuleEntry(RowsCols):
     """One quantized module of a validated config."""
 
     name: str
@@ -90,14 +90,6 @@ class ModuleEntry:
     shape: tuple[int, int]
     source: SourceRef
     checksums: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
 
     @property
     def scale_dtype(self) -> str:

@@ -21,6 +21,20 @@ DEFAULT_METHOD = "rtn"
 DEFAULT_GROUP = {b: g for b, (g, _) in DEFAULT_SCHEMES.items()}
 
 
+class RowsCols:
+    """``rows`` and ``cols`` of a class holding a 2-D ``shape`` (tables, config entries)."""
+
+    shape: tuple[int, int]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+
 # ONNX Runtime's block quantization (GatherBlockQuantized / MatMulNBits): blocks are a
 # power of two of at least this many elements.
 ONNX_MIN_BLOCK = 16
