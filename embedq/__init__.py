@@ -14,23 +14,59 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 from embedq.errors import EmbedqError
 from embedq.jobs.report import ModuleReport, Report
 from embedq.version import __version__
 
+if TYPE_CHECKING:  # the layers are imported when called
+    from embedq.jobs.inspect import InspectResult
+    from embedq.jobs.recipe import QuantizeRecipe
 
-def quantize(path, bits: int | None = None, *, recipe=None, **options) -> Report:
+# quantize's keyword defaults: a keyword left at its default is not passed on, so the recipe
+# tells "not given" (the scheme defaults, DEFAULT_SCHEMES) from an explicit value.
+_QUANTIZE_DEFAULTS = dict(group_size=None, symmetric=None, method=None, scale_dtype=None, head_bits=None,
+                          head_group_size=None, head_symmetric=None, lm_head=False, targets=None,
+                          trust=None, output=None, overlay_only=False, force=False, format="embedq",
+                          max_kld=None, auto=False, chunk_rows=None, progress=True, base_model=None,
+                          base_revision=None, eval_results=None, calibration=None)
+
+
+def _given(value, default) -> bool:
+    return value is not None if default is None else value != default
+
+
+def quantize(path: str | os.PathLike, bits: int | None = None, *,
+             group_size: int | None = None, symmetric: bool | None = None, method: str | None = None,
+             scale_dtype: str | None = None, head_bits: int | None = None,
+             head_group_size: int | None = None, head_symmetric: bool | None = None,
+             lm_head: bool = False, targets: Sequence[str] | None = None, trust: str | None = None,
+             output: str | os.PathLike | None = None, overlay_only: bool = False, force: bool = False,
+             format: str = "embedq", max_kld: float | None = None, auto: bool = False,
+             chunk_rows: int | None = None, progress: bool = True, base_model: str | None = None,
+             base_revision: str | None = None, eval_results: Any = None, calibration: Any = None,
+             recipe: "QuantizeRecipe | None" = None) -> Report:
     """Quantize a checkpoint's embedding (and head) into an overlay.
 
-    The options are those of ``embedq quantize`` (``group_size``, ``symmetric``, ``method``,
-    ``lm_head``, ``head_bits``, ``targets``, ``output``, ``max_kld``, ...; see
-    :meth:`embedq.jobs.recipe.QuantizeRecipe.from_options`), or a ready ``recipe``
-    (:class:`embedq.jobs.recipe.QuantizeRecipe`). With ``max_kld`` / ``auto`` the scheme is
-    measured (:mod:`embedq.quality.select`); the selection is in ``report.extra["auto"]``.
+    The keywords are the flags of ``embedq quantize`` (``--group-size`` (0: per row),
+    ``--asym`` (``symmetric=False``), ``--method``, ``--lm-head``, ``--head-bits``,
+    ``--output``, ``--max-kld`` ...), what is not given taken from the defaults
+    (:data:`embedq.format.scheme.DEFAULT_SCHEMES`); they build the same
+    :class:`embedq.jobs.recipe.QuantizeRecipe` the command builds. Or pass a ready
+    ``recipe`` (and nothing else). With ``max_kld`` / ``auto`` the scheme is measured
+    (:mod:`embedq.quality.select`); the selection is in ``report.extra["auto"]``.
     """
     from embedq.jobs.recipe import QuantizeRecipe
+    options = {k: v for k, v in dict(
+        group_size=group_size, symmetric=symmetric, method=method, scale_dtype=scale_dtype,
+        head_bits=head_bits, head_group_size=head_group_size, head_symmetric=head_symmetric,
+        lm_head=lm_head, targets=targets, trust=trust, output=output, overlay_only=overlay_only,
+        force=force, format=format, max_kld=max_kld, auto=auto, chunk_rows=chunk_rows,
+        progress=progress, base_model=base_model, base_revision=base_revision,
+        eval_results=eval_results, calibration=calibration).items() if _given(v, _QUANTIZE_DEFAULTS[k])}
     if recipe is None:
         recipe = QuantizeRecipe.from_options(bits, **options)
     elif bits is not None or options:
@@ -42,9 +78,10 @@ def quantize(path, bits: int | None = None, *, recipe=None, **options) -> Report
     return quantize_checkpoint(path, recipe)
 
 
-def inspect(path, revision: str | None = None) -> dict:
+def inspect(path: str | os.PathLike, revision: str | None = None) -> "InspectResult":
     """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint folder or a
-    Hub id (``org/name``: config.json and safetensors headers only, no weights)."""
+    Hub id (``org/name``: config.json and safetensors headers only, no weights): an
+    :class:`embedq.jobs.inspect.InspectResult` (``.to_dict()``: what ``--json`` prints)."""
     from embedq.jobs.inspect import inspect_checkpoint
     return inspect_checkpoint(path, revision=revision)
 
@@ -67,12 +104,14 @@ def load_overlay(path):
     return _load(path)
 
 
-def push(folder, repo_id: str, private: bool = False, revision: str | None = None,
-         dry_run: bool = False, token: str | None = None, **kwargs):
+def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
+         dry_run: bool = False, token: str | None = None, *, commit_message: str | None = None,
+         update_card: bool = True, progress: bool = True, include: list[str] | None = None):
     """Upload an embedq checkpoint or overlay bundle to the Hub (see :func:`embedq.hub.push.push`)."""
     from embedq.hub.push import push as _push
     return _push(folder, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
-                 **kwargs)
+                 commit_message=commit_message, update_card=update_card, progress=progress,
+                 include=include)
 
 
 def apply(base, overlay, force: bool = False) -> Report:
@@ -88,16 +127,35 @@ def load(path, **from_pretrained_kwargs):
     return _load(path, **from_pretrained_kwargs)
 
 
-def evaluate(path, **kwargs):
-    """KLD of the overlaid model against the float one (see :func:`embedq.quality.evaluate.evaluate`)."""
+def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None, contexts: int = 12,
+             length: int = 128, reference: str | os.PathLike | None = None, dtype="float32",
+             float_head: bool = False, tokens=None, bos: int | None | str = "auto",
+             bootstrap: int = 2000, seed: int = 0, progress: bool = True, device: str | None = None,
+             floor: bool | None = None):
+    """KLD of the overlaid model against the float one (see :func:`embedq.quality.evaluate.evaluate`;
+    the keywords are ``embedq eval``'s flags)."""
     from embedq.quality.evaluate import evaluate as _evaluate
-    return _evaluate(path, **kwargs)
+    return _evaluate(path, text=text, contexts=contexts, length=length, reference=reference, dtype=dtype,
+                     float_head=float_head, tokens=tokens, bos=bos, bootstrap=bootstrap, seed=seed,
+                     progress=progress, device=device, floor=floor)
 
 
-def plan(path, gpu_mem="32GiB", **kwargs):
-    """KV-cache capacity before/after the overlay (see :func:`embedq.capacity.plan.plan`)."""
+def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str = "auto",
+         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+         reserve: str | int | None = None, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+         bits: int | None = None, group_size: int | None = None, symmetric: bool | None = None,
+         weights_gib: float | str | None = None, revision: str | None = None,
+         block_size: int | None = None, prefix_caching: bool = True, async_scheduling: bool = True,
+         gdn_checkpoints: bool = False, mamba_ssm_cache_dtype: str = "auto"):
+    """KV-cache capacity before/after the overlay (see :func:`embedq.capacity.plan.plan`; the
+    keywords are ``embedq plan``'s flags)."""
     from embedq.capacity.plan import plan as _plan
-    return _plan(path, gpu_mem, **kwargs)
+    return _plan(path, gpu_mem, kv_dtype=kv_dtype, max_model_len=max_model_len,
+                 gpu_memory_utilization=gpu_memory_utilization, reserve=reserve,
+                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, bits=bits,
+                 group_size=group_size, symmetric=symmetric, weights_gib=weights_gib, revision=revision,
+                 block_size=block_size, prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+                 gdn_checkpoints=gdn_checkpoints, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
 
 
 def _register_with_transformers() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedq.capacity.layout import MODEL_DTYPE_BYTES, GiB, KVLayout, PlanError
+from embedq.format.config import OverlayConfig
 from embedq.format.constants import QUANT_METHOD
 
 _SCALE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # an explicit --scale-dtype
@@ -37,7 +38,7 @@ def checkpoint_weights(ck, bits: int | None, group_size: int | None, symmetric: 
     estimated (embedding only, plus a tied head that reads it). ``hub``: (overlay config
     or None, overlay header reader) of a Hub repo, whose files are not on disk.
     """
-    from embedq.format.checkpoint import OVERLAY_NAME, read_safetensors_header
+    from embedq.format.checkpoint import read_safetensors_header
     from embedq.format.scheme import Scheme
     sizes: dict[str, int] = {}
     for f in ck.files():
@@ -48,25 +49,23 @@ def checkpoint_weights(ck, bits: int | None, group_size: int | None, symmetric: 
     qc = hub[0] if hub else overlay_config(ck)
     if qc is not None:
         if hub is None:
-            overlay_file = ck.path / qc.get("overlay", OVERLAY_NAME)
+            overlay_file = ck.path / qc.overlay
             if not overlay_file.exists():
                 raise PlanError(f"{overlay_file}: overlay file missing")
             _, oh = read_safetensors_header(overlay_file)
         else:
-            oh = hub[1](qc.get("overlay", OVERLAY_NAME))
+            oh = hub[1](qc.overlay)
         overlay = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in oh.items() if k != "__metadata__")
         floats, drop = 0, set()
-        for name, e in qc["modules"].items():
-            src = (e.get("source") or {}).get("tensor", name + ".weight")
-            if src in drop:
+        for e in qc.modules.values():
+            if e.source.tensor in drop:
                 continue
-            drop.add(src)
-            rows, cols = e["shape"]
-            floats += rows * cols * DTYPE_BYTES.get(st_dtype((e.get("source") or {}).get("dtype")), 2)
-        for alias in (qc.get("aliases") or {}):
+            drop.add(e.source.tensor)
+            floats += e.rows * e.cols * DTYPE_BYTES.get(st_dtype(e.source.dtype), 2)
+        for alias in qc.aliases:
             drop.add(alias + ".weight")  # a tied head's duplicate is not resident
         base = sum(s for k, s in sizes.items() if k not in drop)
-        schemes = sorted({scheme_label(e) for e in qc["modules"].values()})
+        schemes = sorted({e.scheme.label() for e in qc.modules.values()})
         return {"float": base + floats, "quantized": base + overlay, "float_tables": floats,
                 "overlay": overlay, "overlay_source": "overlay on disk", "scheme": ", ".join(schemes)}
     from embedq.jobs.targets import find_targets
@@ -109,18 +108,13 @@ def st_dtype(name: str | None) -> str:
     return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(name or "", "BF16")
 
 
-def scheme_label(entry: dict) -> str:
-    from embedq.format.config import scheme_of
-    return scheme_of(entry).label()
-
-
-def overlay_config(ck) -> dict | None:
+def overlay_config(ck) -> OverlayConfig | None:
     """The checkpoint's overlay config, validated by the one reader (None: no overlay)."""
     from embedq.format.checkpoint import QCONFIG_NAME
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.reader import parse_overlay_config
     qc = ck.config.get("quantization_config")
     if (ck.path / QCONFIG_NAME).exists() or (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
-        return read_overlay_config(ck.path)
+        return parse_overlay_config(ck.path)
     return None
 
 
@@ -181,8 +175,10 @@ def hub_source(repo_id: str, revision: str | None, need_weights: bool) -> Source
         ck = open_hub(repo_id, revision)
     except CheckpointError as e:
         raise PlanError(f"{e}; pass --weights-gib to plan from config.json alone") from None
+    from embedq.format.config import parse_config
     qc = config.get("quantization_config")
-    qc = qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
+    qc = parse_config(qc, f"{where} (quantization_config)") \
+        if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
 
     def overlay_header(name: str) -> dict:
         return ck.header(name)[1]

@@ -87,8 +87,8 @@ def inspect(model: str = typer.Argument(..., help="Checkpoint folder, or a Hub i
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Show targets, tie status and bytes now / after int8 / after Q4."""
     from embedq.jobs.inspect import format_inspect, inspect_checkpoint
-    d = run(inspect_checkpoint, model, revision=revision)
-    typer.echo(json.dumps(d, indent=2) if as_json else format_inspect(d))
+    r = run(inspect_checkpoint, model, revision=revision)
+    typer.echo(json.dumps(r.to_dict(), indent=2) if as_json else format_inspect(r))
 
 
 @app.command()

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from embedq.cli.common import fail, run
+from embedq.format.constants import SUPPORTED_BITS
 
 
 def register(app: typer.Typer) -> None:
@@ -74,8 +75,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """KV-cache tokens that fit on a GPU with float tables vs the overlay (vLLM 0.33.0's rules)."""
         from embedq.capacity.plan import plan
-        if bits is not None and bits not in (4, 8):
-            fail(EmbedqError(f"--bits {bits}: choose 4 or 8"))
+        if bits is not None and bits not in SUPPORTED_BITS:
+            fail(EmbedqError(f"--bits {bits}: choose {' or '.join(map(str, SUPPORTED_BITS))}"))
         r = run(plan, model, gpu_mem, kv_dtype=kv_dtype, max_model_len=max_model_len,
                  gpu_memory_utilization=utilization, reserve=reserve, max_num_batched_tokens=batched,
                  max_num_seqs=max_seqs, bits=bits, group_size=group_size, symmetric=None if asym is None else not asym,

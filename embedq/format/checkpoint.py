@@ -15,18 +15,12 @@ from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, MAX_HEADER_BYTES, 
                                      OVERLAY_NAME, QCONFIG_NAME, SINGLE_NAME, ST_DTYPE_BITS,
                                      STATE_DIR)
 from embedq.format.files import check_links, inside, name_problem  # noqa: F401
+from embedq.format.files import read_json as load_json
 
 
 def read_json(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: a folder, not a JSON file") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
-        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    """A JSON object file of a checkpoint (config.json, the index), read by the one reader."""
+    data = load_json(path, CheckpointError, missing="file not found", constants=True)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data

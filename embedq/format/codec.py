@@ -17,40 +17,32 @@ from dataclasses import dataclass
 
 import torch
 
+from embedq.format.scheme import RowsCols
+from embedq.format.scheme_units import unit_for
+
 if sys.byteorder != "little":  # pragma: no cover - all supported hosts are little-endian
     raise ImportError("embedq's packing assumes a little-endian host")
 
 
 def to_unsigned(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed codes (int8) to unsigned codes (uint8)."""
-    return (q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    return (q.to(torch.int16) + unit_for(bits).offset).to(torch.uint8)
 
 
 def pack_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes [rows, cols] (uint8) to the packed byte table [rows, cols*bits/8]."""
-    if bits == 8:
-        return u.contiguous()
-    if bits == 4:
-        return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
-    raise ValueError(f"unsupported bits {bits}")
+    return unit_for(bits).pack_bytes(u)
 
 
 def unpack_bytes(b: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """Packed bytes [rows, cols*bits/8] to unsigned codes [rows, cols] (uint8)."""
-    if bits == 8:
-        return b[:, :cols]
-    if bits == 4:
-        out = torch.empty(b.shape[0], b.shape[1] * 2, dtype=torch.uint8, device=b.device)
-        out[:, 0::2] = b & 0x0F
-        out[:, 1::2] = b >> 4
-        return out[:, :cols]
-    raise ValueError(f"unsupported bits {bits}")
+    return unit_for(bits).unpack_bytes(b, cols)
 
 
 def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed codes [rows, cols] to ``weight_packed`` int32 [rows, cols*bits/32]."""
     rows, cols = q.shape
-    if (cols * bits) % 32:
+    if not unit_for(bits).fits(cols):
         raise ValueError(f"{cols} columns x {bits} bits is not a whole number of int32 words")
     return pack_bytes(to_unsigned(q, bits), bits).view(torch.int32)
 
@@ -59,12 +51,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """``weight_packed`` int32 to signed codes [rows, cols] (int8)."""
     p = packed.contiguous()  # may keep odd strides on size-1 dims: view through 1-D
     u = unpack_bytes(p.reshape(-1).view(torch.uint8).reshape(p.shape[0], -1), bits, cols)
-    return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    return (u.to(torch.int16) - unit_for(bits).offset).to(torch.int8)
 
 
 def packed_zero_point_rows(rows: int, bits: int) -> int:
     """Number of int32 rows of zero points packed along dim 0."""
-    return -(-rows * bits // 32)
+    return unit_for(bits).zero_point_rows(rows)
 
 
 def pack_zero_points(zp: torch.Tensor, bits: int) -> torch.Tensor:
@@ -123,10 +115,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 def signed_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """Signed codes ``u - 2^(bits-1)`` (int8 [..., cols]) of packed rows (int32 [..., W])."""
     b = packed.contiguous().view(torch.uint8)
-    if bits == 8:
-        return (b ^ 0x80).view(torch.int8)[..., :cols]  # u - 128, wrapped into int8
-    u = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
-    return (u.view(torch.int8) - 8)[..., :cols]
+    return unit_for(bits).signed_from_bytes(b)[..., :cols]
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -190,7 +179,7 @@ def zero_points_of(packed_zp: torch.Tensor, bits: int, ids: torch.Tensor) -> tor
 
 
 @dataclass
-class QuantizedTable:
+class QuantizedTable(RowsCols):
     """One quantized module: ``weight_packed`` plus scales (and zero points).
 
     ``zero_point`` is kept unpacked (signed int8 [rows, groups]); use
@@ -208,14 +197,6 @@ class QuantizedTable:
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                    bits: int, group_size: int | None) -> "QuantizedTable":
         return cls(pack_int32(q, bits), scale, zero_point, bits, group_size, tuple(q.shape))
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
 
     @property
     def symmetric(self) -> bool:

@@ -6,11 +6,11 @@ differs. Pure Python: used by ``embedq quantize --format compressed-tensors``.
 
 from __future__ import annotations
 
-from embedq.format.config import scheme_of
+from embedq.format.config import OverlayConfig, parse_config
 from embedq.format.constants import QUANT_METHOD, is_head_name
 
 
-def compressed_tensors_config(overlay_config: dict) -> dict:
+def compressed_tensors_config(overlay_config: OverlayConfig | dict) -> dict:
     """A pure compressed-tensors ``quantization_config`` equivalent to an embedq overlay.
 
     Stock vLLM (no plugin) serves it only when every quantized table is symmetric and no
@@ -23,7 +23,7 @@ def compressed_tensors_config(overlay_config: dict) -> dict:
     embedding without a layer name, so a name target would not match there). It is used
     only when the overlay has exactly one quantized embedding; otherwise names are used.
     """
-    cfg = overlay_config
+    cfg = overlay_config.to_dict() if isinstance(overlay_config, OverlayConfig) else overlay_config
     if cfg.get("quant_method") != QUANT_METHOD:
         raise ValueError(f"not an embedq config (quant_method={cfg.get('quant_method')!r})")
     if cfg.get("base_quantization_config"):
@@ -38,20 +38,20 @@ def compressed_tensors_config(overlay_config: dict) -> dict:
             f"the model is tied or shares a quantized table ({which}): stock vLLM's "
             "compressed-tensors embedding cannot compute logits, so a tied lm_head cannot "
             "read the quantized embedding — serve it with the embedq plugin")
-    modules = cfg.get("modules") or {}
-    if not modules:
+    if not cfg.get("modules"):
         raise ValueError("the overlay quantizes no module")
+    parsed = overlay_config if isinstance(overlay_config, OverlayConfig) else \
+        parse_config(cfg, "quantization_config")
+    modules = parsed.modules
     groups: dict[str, dict] = {}
     embeddings = [m for m in modules if not is_head_name(m)]
     for i, (name, entry) in enumerate(sorted(modules.items())):
-        s = scheme_of(entry)
+        s = entry.scheme  # type "int": the parse refuses any other
         bits, gs, sym = s.bits, s.group_size, s.symmetric
         if not sym:
             raise ValueError(
                 f"{name} is asymmetric: stock vLLM's compressed-tensors embedding ignores "
                 "zero points — re-quantize symmetric or serve it with the embedq plugin")
-        if entry.get("type", "int") != "int":
-            raise ValueError(f"{name}: only int quantization maps to compressed-tensors")
         is_head = name not in embeddings
         target = name if (is_head or len(embeddings) != 1) else "Embedding"
         groups[f"group_{i}"] = {

@@ -22,7 +22,8 @@ from embedq.format.constants import (FORMAT_VERSION, METHODS, OVERLAY_NAME, QUAN
                                      READABLE_FORMAT_VERSIONS, ROLES, ST_FLOAT_NAMES, SUPPORTED_BITS,
                                      is_embedding_name, may_replace, is_head_name)
 from embedq.format.digest import DIGEST, VERSION_DIGESTS, digest_for
-from embedq.format.scheme import Scheme
+from embedq.format.files import read_json
+from embedq.format.scheme import RowsCols, Scheme
 
 # A module or tensor name: dotted identifiers, as in a PyTorch state dict.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
@@ -44,16 +45,8 @@ def _is_int(v: Any) -> bool:
 
 
 def onnx_block_size(scheme: Scheme, cols: int) -> int | None:
-    """Block size ONNX Runtime uses for this table, or None if it has none.
-
-    The largest power of two dividing the group (per row: the whole row); each
-    group becomes ``group/block`` blocks repeating its scale and zero point.
-    ONNX Runtime needs a block of at least 16. Must agree with
-    :func:`embedq.backends.onnx.onnx_block_size`.
-    """
-    g = cols if scheme.group_size is None else scheme.group_size
-    b = g & -g
-    return b if b >= 16 else None
+    """Block size ONNX Runtime uses for this table, or None (:meth:`Scheme.onnx_block_size`)."""
+    return scheme.onnx_block_size(cols)
 
 
 def module_entry(scheme: Scheme, shape: tuple[int, int], scale_dtype: str, source: dict,
@@ -88,7 +81,7 @@ class SourceRef:
 
 
 @dataclass(frozen=True)
-class ModuleEntry:
+class ModuleEntry(RowsCols):
     """One quantized module of a validated config."""
 
     name: str
@@ -99,29 +92,12 @@ class ModuleEntry:
     checksums: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
-
-    @property
     def scale_dtype(self) -> str:
         return self.scheme.scale_dtype or "bfloat16"
 
     def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The overlay tensors this entry declares: name -> (safetensors dtype, shape)."""
-        rows, cols = self.shape
-        s = self.scheme
-        t = {
-            f"{self.name}.weight_packed": ("I32", (rows, cols * s.bits // 32)),
-            f"{self.name}.weight_scale": (SCALE_ST_NAMES[self.scale_dtype], (rows, s.groups(cols))),
-            f"{self.name}.weight_shape": ("I64", (2,)),
-        }
-        if not s.symmetric:
-            t[f"{self.name}.weight_zero_point"] = ("I32", (-(-rows * s.bits // 32), s.groups(cols)))
-        return t
+        return self.scheme.overlay_tensors(self.name, self.shape, SCALE_ST_NAMES[self.scale_dtype])
 
 
 @dataclass(frozen=True)
@@ -219,7 +195,7 @@ def _entry(name: str, e: Any, where: str, algo: str = DIGEST) -> ModuleEntry:
     rows, cols = shape
     if not (1 <= rows <= MAX_ROWS and 1 <= cols <= MAX_COLS and rows * cols <= MAX_ELEMENTS):
         raise OverlayError(f"{where}: module {name}: shape {_show(shape)} out of range")
-    if (cols * scheme.bits) % 32:
+    if not scheme.unit.fits(cols):
         raise OverlayError(f"{where}: module {name}: {cols} columns x {scheme.bits} bits is not "
                            "a whole number of int32 words")
     if scheme.group_size is not None and cols % scheme.group_size:
@@ -316,24 +292,8 @@ def parse_config(cfg: Any, where: str) -> OverlayConfig:
 
 def read_config_file(path: str | os.PathLike) -> OverlayConfig:
     """Parse ``quantization_config.json`` (or a JSON file holding such a config)."""
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            data = f.read(16 << 20)
-            if f.read(1):
-                raise OverlayError(f"{p}: too large for a quantization config")
-        cfg = json.loads(data, parse_constant=_no_constant)
-    except FileNotFoundError:
-        raise OverlayError(f"{p}: not found") from None
-    except IsADirectoryError:
-        raise OverlayError(f"{p}: a folder, not a JSON file") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN
-        raise OverlayError(f"{p}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
-    return parse_config(cfg, str(p))
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+    cfg = read_json(path, OverlayError, max_bytes=16 << 20, what="quantization config")
+    return parse_config(cfg, str(Path(path)))
 
 
 def scheme_of(entry: Mapping | ModuleEntry) -> Scheme:

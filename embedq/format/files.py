@@ -16,6 +16,30 @@ from embedq.errors import OverlayError, UnsafePathError
 # weights, or any file, and write them into an overlay that gets published.
 
 
+def read_json(path: str | os.PathLike, error: type = OverlayError, *, max_bytes: int | None = None,
+              what: str = "JSON file", missing: str = "not found", constants: bool = False):
+    """The one JSON reader: ``path``'s JSON value; a missing file, a folder, a file over
+    ``max_bytes``, invalid JSON or (unless ``constants``) a NaN/Infinity constant raise
+    ``error`` naming ``path``."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes)
+            if max_bytes is not None and f.read(1):
+                raise error(f"{p}: too large for a {what}")
+        return json.loads(data, parse_constant=None if constants else _no_constant)
+    except FileNotFoundError:
+        raise error(f"{p}: {missing}") from None
+    except IsADirectoryError:
+        raise error(f"{p}: a folder, not a JSON file") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN, nesting
+        raise error(f"{p}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def read_roots(folder: Path) -> list[Path]:
     """Where files read on behalf of ``folder`` may resolve: the folder itself and, for a
     Hugging Face cache snapshot (``models--o--n/snapshots/<rev>[/sub]``, seen through the

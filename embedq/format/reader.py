@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from embedq.errors import OverlayError
-from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, QCONFIG_NAME, QUANT_METHOD
+from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, OVERLAY_SUFFIXES, QCONFIG_NAME, QUANT_METHOD
 from embedq.format.checkpoint import read_safetensors_header
-from embedq.format.files import inside
+from embedq.format.files import inside, read_json
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
 from embedq.errors import EmbedqError
 from embedq.format.codec import unpack_zero_points
@@ -45,12 +44,7 @@ def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
     if (p / QCONFIG_NAME).exists() or (p / QCONFIG_NAME).is_symlink():
         return read_config_file(inside(p, QCONFIG_NAME))
     if (p / CONFIG_NAME).exists():
-        try:
-            cfg = json.loads(inside(p, CONFIG_NAME).read_bytes())
-        except IsADirectoryError:
-            raise OverlayError(f"{p / CONFIG_NAME}: a folder, not a JSON file") from None
-        except (ValueError, RecursionError) as e:
-            raise OverlayError(f"{p / CONFIG_NAME}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+        cfg = read_json(inside(p, CONFIG_NAME), OverlayError, constants=True)
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
         if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
             return parse_config(qc, f"{p / CONFIG_NAME} (quantization_config)")
@@ -129,14 +123,15 @@ def load_overlay(path: str | os.PathLike, modules: list[str] | None = None) -> O
             continue
         s = entry.scheme
         rows, cols = entry.shape
-        packed = f.get_tensor(f"{name}.weight_packed")
-        scale = f.get_tensor(f"{name}.weight_scale")
-        shape = tuple(int(x) for x in f.get_tensor(f"{name}.weight_shape").tolist())
+        packed_name, scale_name, shape_name, zp_name = (f"{name}.{s}" for s in OVERLAY_SUFFIXES)
+        packed = f.get_tensor(packed_name)
+        scale = f.get_tensor(scale_name)
+        shape = tuple(int(x) for x in f.get_tensor(shape_name).tolist())
         if shape != (rows, cols):
-            raise OverlayError(f"{file}: {name}.weight_shape is {list(shape)}, the config says {[rows, cols]}")
+            raise OverlayError(f"{file}: {shape_name} is {list(shape)}, the config says {[rows, cols]}")
         if not bool(torch.isfinite(scale).all()):
-            raise OverlayError(f"{file}: {name}.weight_scale holds NaN or infinite scales")
-        zp = None if s.symmetric else unpack_zero_points(f.get_tensor(f"{name}.weight_zero_point"), s.bits, rows)
+            raise OverlayError(f"{file}: {scale_name} holds NaN or infinite scales")
+        zp = None if s.symmetric else unpack_zero_points(f.get_tensor(zp_name), s.bits, rows)
         tables[name] = QuantizedTable(packed, scale, zp, s.bits, s.group_size, (rows, cols))
     return Overlay(p, cfg, tables, file, parsed)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from embedq.errors import EmbedqError
 from embedq.format.constants import QUANT_METHOD
-from embedq.format.digest import digest_for, new_hasher
+from embedq.format.digest import new_hasher
 
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 TEMP_SUFFIXES = (".partial", ".incomplete", ".lock", ".tmp")
@@ -184,17 +184,17 @@ def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...]
 
 def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     """Refuse a folder that is not a complete embedq checkpoint or bundle; return warnings."""
-    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, index_weight_map, read_json
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, index_weight_map, read_json
+    from embedq.format.reader import parse_overlay_config
     from embedq.format.checkpoint import read_safetensors_header
     if not folder.is_dir():
         raise EmbedqError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
     names = {p for p, _ in files}
     try:
-        qconfig = read_overlay_config(folder)
+        qconfig = parse_overlay_config(folder)
     except EmbedqError as e:
         raise EmbedqError(f"{folder}: not an embedq checkpoint or overlay bundle ({e})") from None
-    ovname = qconfig.get("overlay", OVERLAY_NAME)
+    ovname = qconfig.overlay
     ovfile = folder / ovname
     if ovname not in names:
         raise EmbedqError(f"{ovfile}: overlay file missing; nothing to publish")
@@ -202,14 +202,14 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     # rather than publish a corrupt table.
     n, header = read_safetensors_header(ovfile)
     expected = {}
-    for entry in qconfig["modules"].values():
-        expected.update(entry.get("checksums") or {})
+    for entry in qconfig.modules.values():
+        expected.update(entry.checksums)
     with open(ovfile, "rb") as f:
         for k, want in expected.items():
             if k not in header:
                 raise EmbedqError(f"{ovfile}: missing tensor {k}")
             b, e = header[k]["data_offsets"]
-            h = new_hasher(digest_for(qconfig["format_version"]))
+            h = new_hasher(qconfig.digest)
             for off in range(0, e - b, 64 << 20):
                 h.update(os.pread(f.fileno(), min(64 << 20, e - b - off), 8 + n + b + off))
             if h.hexdigest() != want:
@@ -271,10 +271,9 @@ def _check_repo_id(repo_id: str) -> str:
 
 def _commit_message(folder: Path) -> str:
     try:
-        from embedq.format.reader import read_overlay_config
-        from embedq.format.config import scheme_of
-        q = read_overlay_config(folder)
-        schemes = sorted({scheme_of(e).label() for e in q["modules"].values()})
+        from embedq.format.reader import parse_overlay_config
+        q = parse_overlay_config(folder)
+        schemes = sorted({e.scheme.label() for e in q.modules.values()})
         kind = "overlay bundle" if not (folder / "config.json").exists() else "checkpoint"
         return f"Upload embedq {kind} ({', '.join(schemes)})"
     except Exception:

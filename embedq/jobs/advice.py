@@ -64,7 +64,7 @@ def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_he
         head = (head_scheme or scheme) if lm_head else None
     g = scheme.group_size
     m8 = MEASURED_GEMMA3_270M[(8, DEFAULT_GROUP[8], True, "shared")]
-    if head is not None and head.bits == 4:
+    if head is not None and head.unit.lossy:
         where = "tied head" if tied and head_scheme is None else "quantized head"
         mh = MEASURED_GEMMA3_270M[(4, 32, True, "int8")]
         fix = (f"there the 8-bit default (--bits 8) measured {m8[0]:.2g} at {m8[2]:.0f} MB and a Q4 gather "
@@ -72,7 +72,7 @@ def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_he
                "quantize the head at 8 bits (--head-bits 8) or leave it float")
         return (f"4-bit {where} is lossy: the output projection reads the 4-bit table"
                 f"{_measured(4, head.group_size, head.symmetric, 'shared')}; {fix}")
-    if scheme.bits == 4:
+    if scheme.unit.lossy:
         extra = ""
         if tied:
             extra = (f"; there the 8-bit default for both (mean KLD {m8[0]:.2g}, {m8[2]:.0f} MB) beat a Q4 "

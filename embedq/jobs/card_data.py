@@ -11,6 +11,7 @@ from typing import Any
 
 from embedq.errors import EmbedqError
 from embedq.format.files import stays_inside
+from embedq.format.scheme_units import unit_for
 
 CARD_NAME = "README.md"
 EVAL_NAME = "embedq-eval.json"
@@ -186,7 +187,7 @@ def front_matter(ctx: dict) -> dict:
             meta[k] = src[k]
     tags = ["embedq", "quantized"]
     for bits in sorted({m["bits"] for m in ctx["modules"]}, reverse=True):
-        tags.append("int8" if bits == 8 else f"{bits}-bit")
+        tags.append(unit_for(bits).tag)
     tags.append("embedding-quantization")
     if ctx.get("mode") == "overlay-only":
         tags.append("overlay")

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from embedq.format.scheme_units import unit_for
 from embedq.jobs.card_data import MARK, MARK_END, front_matter, stored_state, validate_metadata
 
 
@@ -33,7 +34,7 @@ def _fmt_num(x: Any) -> str:
 
 def _scheme_words(m: dict) -> str:
     """'int8, one scale per row, symmetric, bfloat16 scales, RTN'."""
-    bits = f"int{m['bits']}" if m["bits"] == 8 else f"{m['bits']}-bit int"
+    bits = unit_for(m["bits"]).prose
     g = "one scale per row" if not m.get("group_size") else f"groups of {m['group_size']}"
     sym = "symmetric" if m.get("symmetric", True) else "asymmetric (zero points)"
     parts = [bits, g, sym]

@@ -8,12 +8,12 @@ quantized table or of zero points on an embedding, so those cases are refused
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from embedq.errors import SchemeError
-from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
+from embedq.format.checkpoint import CONFIG_NAME, QCONFIG_NAME, Checkpoint, read_json
+from embedq.format.config import read_config_file
 from embedq.format.files import write_json_atomic
 
 
@@ -30,12 +30,11 @@ def to_compressed_tensors(output: Path, report) -> None:
     out = Path(output)
     try:
         from embedq.format.compressed_tensors import compressed_tensors_config
-        qc = json.loads((out / "quantization_config.json").read_text())
-        ct = compressed_tensors_config(qc)
+        ct = compressed_tensors_config(read_config_file(out / QCONFIG_NAME))
     except ValueError as e:
         shutil.rmtree(out, ignore_errors=True)
         raise SchemeError(f"--format compressed-tensors: {e}") from None
-    cfg = json.loads((out / CONFIG_NAME).read_text())
+    cfg = read_json(out / CONFIG_NAME)
     cfg["quantization_config"] = ct
     write_json_atomic(out / CONFIG_NAME, cfg)
     report.mode = "derived (compressed-tensors)"

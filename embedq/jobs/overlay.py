@@ -18,13 +18,15 @@ from embedq.errors import CheckpointError, SchemeError
 from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
 from embedq.format.codec import pack_zero_points, packed_zero_point_rows
 from embedq.format.config import module_entry
+from embedq.format.constants import OVERLAY_SUFFIXES
 from embedq.format.digest import DIGEST, new_hasher
-from embedq.format.dtypes import DTYPE_NAMES, ST_TO_TORCH, dtype_from_name
+from embedq.format.dtypes import (DTYPE_NAMES, DTYPE_TO_ST_NAME, ST_NAME_TO_DTYPE, ST_TO_TORCH,
+                                  dtype_from_name)
 from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
-from embedq.quant.kernels import has_cached_kernel, native_ready
+from embedq.quant.fused import has_cached_kernel, native_ready
 from embedq.quant.profile import stage
 from embedq.quant.stream import (ROW_ALIGN, ErrorStats, MappedRows, Pipeline, check_finite,
                                  default_chunk_rows, quantize_pack_chunk, stats_finite)
@@ -46,17 +48,10 @@ class ModulePlan:
         return dtype_from_name(self.scheme.scale_dtype) if self.scheme.scale_dtype else self.dtype
 
     def overlay_tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        rows, cols = self.shape
-        s = self.scheme
-        t = {
-            f"{self.module}.weight_packed": (torch.int32, (rows, cols * s.bits // 32)),
-            f"{self.module}.weight_scale": (self.scale_dtype, (rows, s.groups(cols))),
-            f"{self.module}.weight_shape": (torch.int64, (2,)),
-        }
-        if not s.symmetric:
-            t[f"{self.module}.weight_zero_point"] = (
-                torch.int32, (packed_zero_point_rows(rows, s.bits), s.groups(cols)))
-        return t
+        """The module's overlay tensors (the one list, :meth:`Scheme.overlay_tensors`), as
+        torch dtypes."""
+        t = self.scheme.overlay_tensors(self.module, self.shape, DTYPE_TO_ST_NAME[self.scale_dtype])
+        return {k: (ST_NAME_TO_DTYPE[st], shape) for k, (st, shape) in t.items()}
 
 
 def _strip_weight(name: str) -> str:
@@ -190,8 +185,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
     chunk_rows = min(chunk_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)
     if compiled is False and has_cached_kernel(chunk_rows, cols, p.dtype, p.scheme, p.scale_dtype):
         compiled = None
-    packed_name, scale_name = f"{p.module}.weight_packed", f"{p.module}.weight_scale"
-    zp_name = f"{p.module}.weight_zero_point"
+    packed_name, scale_name, _, zp_name = (f"{p.module}.{s}" for s in OVERLAY_SUFFIXES)
     bits = p.scheme.bits
     if chunk_rows % (32 // bits):
         raise SchemeError(f"--chunk-rows {chunk_rows}: must be a multiple of {32 // bits} for {bits}-bit tables "
@@ -219,7 +213,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
 
     def write(r0: int, out) -> None:
         names = (packed_name, scale_name, zp_name)
-        rows_at = (r0, r0, r0 * bits // 32)
+        rows_at = (r0, r0, packed_zero_point_rows(r0, bits))  # r0: whole zero-point words
         for name, t, row in zip(names, out, rows_at):
             with stage("write: pwrite"):
                 writer.write(name, t, row=row)

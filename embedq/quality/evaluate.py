@@ -37,6 +37,7 @@ from embedq.errors import EmbedqError, EvalError
 from embedq.jobs.advice import LOSSY_KLD, LOSSY_TOP1, MEASURED_GEMMA3_270M, scheme_advice  # noqa: F401  (re-exported)
 from embedq.jobs.calibration import (config_bos, default_text, load_reference, load_tokenizer,  # noqa: F401
                                      make_contexts, quiet_transformers, read_text, text_contexts)
+from embedq.format.config import OverlayConfig
 from embedq.format.constants import is_head_name
 
 DEFAULT_CONTEXTS = 12
@@ -243,30 +244,30 @@ def _dtype(dtype) -> torch.dtype:
     return dtype_from_name(str(dtype))
 
 
-def check_reference(path: Path, reference: Path, qconfig: dict) -> None:
+def check_reference(path: Path, reference: Path, qconfig: OverlayConfig) -> None:
     """The reference folder must hold every quantized module's float source tensor."""
     from embedq.format.checkpoint import Checkpoint
     try:
         ck = Checkpoint.open(reference)
     except EmbedqError as e:
         raise EvalError(f"reference {reference}: {e}") from None
-    for name, e in qconfig["modules"].items():
-        src = (e.get("source") or {}).get("tensor", name + ".weight")
+    for name, e in qconfig.modules.items():
+        src = e.source.tensor
         if not ck.has(src):
             hint = ("; it is a derived checkpoint without the float table: pass --reference "
                     "with the source checkpoint" if reference == path else "")
             raise EvalError(f"{reference}: no float tensor {src} to compare {name} against{hint}")
         info = ck.tensor(src)
-        if list(info.shape) != list(e["shape"]):
+        if list(info.shape) != list(e.shape):
             raise EvalError(f"{reference}: {src} has shape {list(info.shape)}, the overlay's "
-                            f"{name} was made from {e['shape']} (a different model?)")
+                            f"{name} was made from {list(e.shape)} (a different model?)")
 
 
-def source_is_bf16(path: Path, qconfig: dict) -> bool:
+def source_is_bf16(path: Path, qconfig: OverlayConfig) -> bool:
     """Whether every quantized module's float source tensor in ``path`` is bfloat16."""
     from embedq.format.checkpoint import Checkpoint
     ck = Checkpoint.open(path)
-    srcs = [(e.get("source") or {}).get("tensor", n + ".weight") for n, e in qconfig["modules"].items()]
+    srcs = [e.source.tensor for e in qconfig.modules.values()]
     return bool(srcs) and all(ck.has(t) and ck.tensor(t).dtype == "BF16" for t in srcs)
 
 
@@ -274,10 +275,10 @@ def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = Non
               dtype="float32", float_head: bool = False, device: str | None = None):
     """(reference model, quantized model) for ``path``; see :func:`evaluate`."""
     from embedq.backends.transformers import QuantizedLMHead, load
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.reader import parse_overlay_config
     p = Path(path)
     ref_path = Path(reference) if reference is not None else p
-    qconfig = read_overlay_config(p)
+    qconfig = parse_overlay_config(p)
     check_reference(p, ref_path, qconfig)
     dt = _dtype(dtype)
     with quiet_transformers():
@@ -291,14 +292,13 @@ def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = Non
     return ref, quant
 
 
-def _labels(qconfig: dict, float_head: bool) -> dict[str, str]:
-    from embedq.format.config import scheme_of
+def _labels(qconfig: OverlayConfig, float_head: bool) -> dict[str, str]:
     out = {}
-    for name, e in qconfig["modules"].items():
-        if float_head and e.get("role") == "head":
+    for name, e in qconfig.modules.items():
+        if float_head and e.role == "head":
             continue
-        out[name] = scheme_of(e).label()
-    for alias, owner in (qconfig.get("aliases") or {}).items():
+        out[name] = e.scheme.label()
+    for alias, owner in qconfig.aliases.items():
         if float_head and is_head_name(alias):
             continue
         out[alias] = f"= {owner}"
@@ -327,9 +327,9 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
       tables are bf16 and ``dtype`` is float32.
     """
     t0 = time.perf_counter()
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.reader import parse_overlay_config
     p = Path(path)
-    qconfig = read_overlay_config(p)
+    qconfig = parse_overlay_config(p)
     tokenizer, tok_bos = None, None
     if tokens is None:
         body, desc = read_text(text) if text is not None else default_text()

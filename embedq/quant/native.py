@@ -3,7 +3,7 @@
 The heavy, element-wise part of RTN (``u = clamp(round(x / s) + zp) + 2^(b-1)``, packed,
 plus the error statistics) is one loop in C, compiled on first use with the system C
 compiler (``cc -O3 -march=native -ffp-contract=off``; ~0.3 s, no torch headers, no
-inductor) into :func:`embedq.quant.kernels.kernel_cache_dir` and loaded with
+inductor) into :func:`embedq.kernels.build.kernel_cache_dir` and loaded with
 :mod:`ctypes` (which releases the GIL during the call). Scales and zero points are
 computed by torch, by the same code as the reference (they are small: one per group).
 
@@ -28,12 +28,18 @@ import threading
 
 import torch
 
+from embedq.format.scheme_units import UNITS
 from embedq.kernels.build import kernel_cache_dir, load_library
 from embedq.quant.profile import stage
 
 log = logging.getLogger(__name__)
 
-C_SOURCE = r"""
+# The C twin of the units' rules (tested against them: tests/test_scheme_units.py): which bit
+# widths take signed-max symmetric scales, as a bit mask. The packing loop handles one or
+# two codes a byte (a family of fewer bits needs its loop here).
+_RULES = f"#define SIGNED_MAX_BITS {sum(1 << b for b, u in UNITS.items() if u.signed_max)}u\n"
+
+C_SOURCE = _RULES + r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -134,23 +140,23 @@ static inline float scale_up(float scale, int kind, void* out, int64_t k) {
 /* One chunk of ngroups groups of g elements: range, scale (+ zero point), codes, packing,
    statistics -- each group read from memory once and then from L1/L2.
    s_out: the scales in the storage dtype; zp_out (asym): int8 zero points.
-   out: bits 8 -> one byte per element; bits 4 -> element 2j in the low nibble, 2j+1 high.
+   out: one code per byte, or two (element 2j in the low nibble, 2j+1 high): IntUnit.pack_bytes.
    st (when not NULL): max|xhat-x|, sum (xhat-x)^2, sum x^2 (float per group, double total). */
 #define QUANT(NAME, RANGE, T, CVT)                                                           \
 void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind,             \
           void* s_out, int8_t* zp_out, uint8_t* out, double* st) {                           \
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -qmax - 1.0f, off = qmax + 1.0f; \
-    const int stats = st != 0;                                                               \
+    const int stats = st != 0, per = 8 / bits, smax = (SIGNED_MAX_BITS >> bits) & 1;        \
     uint32_t mx = 0; double se = 0.0, sr = 0.0;                                              \
     float v[BLK]; uint8_t u[BLK];                                                            \
     for (int64_t k = 0; k < ngroups; k++) {                                                  \
         const T* p = x + k * g;                                                              \
         float a, b, sc, z = 0.0f;                                                            \
-        RANGE(p, 1, g, asym || bits == 4, &a, &b); /* 4-bit sym: min (a) and max (b) */    \
+        RANGE(p, 1, g, asym || smax, &a, &b); /* signed-max: min (a) and max (b) */         \
         if (!asym) {                                                                         \
-            /* 8 bits: absmax / qmax; 4 bits: signed-max, the signed extreme / qmin */       \
-            float m = bits == 4 ? (-a > b ? a : b) : a;                                      \
-            float scale = bits == 4 ? m / qmin : m / qmax;                                   \
+            /* absmax / qmax, or signed-max: the signed extreme / qmin (IntUnit.signed_max) */ \
+            float m = smax ? (-a > b ? a : b) : a;                                           \
+            float scale = smax ? m / qmin : m / qmax;                                        \
             sc = scale_up(m > 0 || m < 0 ? scale : 1.0f, kind, s_out, k);                    \
         } else {                                                                             \
             float lo = a > 0 ? 0.0f : a, hi = b < 0 ? 0.0f : b; /* clamp; NaN stays NaN */    \
@@ -165,12 +171,12 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
         for (int64_t i0 = 0; i0 < g; i0 += BLK) {                                            \
             int64_t n = g - i0 < BLK ? g - i0 : BLK;                                         \
             for (int64_t i = 0; i < n; i++) v[i] = CVT(p[i0 + i]);                           \
-            if (bits == 8) {                                                                 \
+            if (per == 1) {                                                                  \
                 qblock(v, n, sc, z, qmin, qmax, off, out + k * g + i0, stats, &mx, &gse, &gsr); \
             } else {                                                                         \
                 qblock(v, n, sc, z, qmin, qmax, off, u, stats, &mx, &gse, &gsr);             \
-                uint8_t* o = out + (k * g + i0) / 2;                                         \
-                for (int64_t i = 0; i < n / 2; i++) o[i] = (uint8_t)(u[2 * i] | (u[2 * i + 1] << 4)); \
+                uint8_t* o = out + (k * g + i0) / 2; /* per == 2: element 2j low */           \
+                for (int64_t i = 0; i < n / 2; i++) o[i] = (uint8_t)(u[2 * i] | (u[2 * i + 1] << bits)); \
             }                                                                                \
         }                                                                                    \
         if (stats) { se += gse; sr += gsr; }                                                 \

@@ -43,38 +43,28 @@ def _grouped(x: torch.Tensor, scheme: Scheme) -> torch.Tensor:
 
 
 def signed_max(scheme: Scheme) -> bool:
-    """Whether symmetric ``scheme`` maps the group's signed extreme onto ``qmin`` (4 bits)."""
-    return scheme.symmetric and scheme.bits == 4
+    """Whether symmetric ``scheme`` maps the group's signed extreme onto ``qmin`` (its
+    family's rule, :attr:`embedq.format.scheme_units.IntUnit.signed_max`)."""
+    return scheme.symmetric and scheme.unit.signed_max
 
 
 def quantize_rtn(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype):
-    """Quantize ``x`` ([rows, cols], any float dtype) with absmax (8-bit), signed-max
-    (4-bit) or min-max (asymmetric) scales.
+    """Quantize ``x`` ([rows, cols], any float dtype) with the family's symmetric scales
+    (absmax at 8 bits, signed-max at 4: ``scheme.unit.symmetric_scale``) or min-max
+    (asymmetric) scales.
 
     Returns ``(q, scale, zero_point)``; ``zero_point`` is None when symmetric.
     """
     xg = _grouped(x.float(), scheme)
+    unit = scheme.unit
     if scheme.symmetric:
-        if signed_max(scheme):
-            lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)
-            m = torch.where(-lo > hi, lo, hi)  # ties keep the positive one (as MLAS)
-            scale = m / scheme.qmin
-            scale = torch.where((m > 0) | (m < 0), scale, torch.ones_like(scale))
-        else:
-            amax = xg.abs().amax(dim=-1)
-            scale = amax / scheme.qmax
-            scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-        scale_q = round_scale_up(scale, scale_dtype)
+        scale_q = round_scale_up(unit.symmetric_scale([xg]), scale_dtype)
         q = torch.round(xg / scale_q.float().unsqueeze(-1))
         q = q.clamp_(scheme.qmin, scheme.qmax).to(torch.int8)
         return q.reshape(x.shape), scale_q, None
     # The range always contains 0 so that the zero point is representable
     # (compressed-tensors does the same).
-    lo = xg.amin(dim=-1).clamp(max=0)
-    hi = xg.amax(dim=-1).clamp(min=0)
-    span = hi - lo
-    levels = (1 << scheme.bits) - 1
-    scale = torch.where(span > 0, span / levels, torch.ones_like(span))
+    scale, lo = unit.asymmetric_scale(*unit.group_range([xg]))
     scale_q = round_scale_up(scale, scale_dtype)
     sf = scale_q.float()
     zp = torch.round(scheme.qmin - lo / sf).clamp_(scheme.qmin, scheme.qmax)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from embedq.errors import SchemeError
-from embedq.quant.kernels import chunk_stats, quantize_pack
+from embedq.quant.fused import chunk_stats, quantize_pack
 from embedq.quant.profile import PROFILE, stage
 from embedq.format.codec import pack_int32
 from embedq.quant.rtn import quantize_rtn
@@ -128,7 +128,7 @@ def quantize_pack_chunk(x: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtyp
                         calibration=None):
     """Quantize and pack one chunk: ``(packed_int32, scale, zero_point, stats)``.
 
-    RTN goes through :func:`embedq.quant.kernels.quantize_pack` (compiled fused
+    RTN goes through :func:`embedq.quant.fused.quantize_pack` (compiled fused
     kernel where possible, ``compiled=False`` for the eager reference); other methods
     through :func:`quantize_chunk` and :func:`pack_int32`. Same bytes either way.
     ``stats`` is ``(max_abs, sq_err, sq_ref)``.

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import embedq
-from embedq.quant import kernels
+from embedq.quant import fused as kernels
 from embedq.format.codec import pack_int32, pack_zero_points
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme

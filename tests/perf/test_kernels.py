@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from embedq.quant import kernels
+from embedq.quant import fused as kernels
 from embedq.format.codec import pack_int32
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme

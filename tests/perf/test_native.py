@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embedq.format.scheme import Scheme
-from embedq.quant import kernels, native
+from embedq.quant import fused as kernels, native
 from tests.perf.test_kernels import BF, F16, F32, SCHEMES, assert_same, table
 
 pytestmark = pytest.mark.skipif(native.library() is None,

@@ -28,7 +28,7 @@ def dequantized_reference(source: Path, overlay: Path, model_class, dtype=torch.
     ov = embedq.load_overlay(overlay)
     ref = load_reference(Path(source), model_class, dtype)  # float: embedq config stripped
     with torch.no_grad():
-        for mname, (owner, _) in resolve_targets(ref, ov.config).items():
+        for mname, (owner, _) in resolve_targets(ref, ov.parsed).items():
             mod = ref.get_submodule(mname)
             mod.weight = torch.nn.Parameter(ov.tables[owner].dequantize(mod.weight.dtype).clone(),
                                             requires_grad=False)

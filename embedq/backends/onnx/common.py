@@ -10,6 +10,7 @@ import torch
 
 from embedq.errors import EmbedqError, UnsafePathError
 from embedq.format.files import inside
+from embedq.format.scheme import ONNX_MIN_BLOCK, onnx_block
 
 
 MS_DOMAIN = "com.microsoft"
@@ -18,7 +19,7 @@ MS_DOMAIN = "com.microsoft"
 #: symmetric tables thanks to midpoint padding, see ort_zero_points; asymmetric need 1.27).
 MIN_ORT = "1.23"
 MIN_ORT_ODD_BLOCKS_4BIT = "1.27"
-MIN_BLOCK = 16
+MIN_BLOCK = ONNX_MIN_BLOCK
 ALIGN = 4096  # external data offsets of big tensors: page-aligned so runtimes can mmap them
 SMALL_TENSOR = 1 << 16  # smaller ones are 64-byte aligned
 PROTOBUF_LIMIT = 2_000_000_000
@@ -79,8 +80,7 @@ def onnx_block_size(bits: int, group_size: int | None, cols: int) -> int:
     A group (or, per-row, the whole row) becomes ``group/block`` blocks that repeat
     its scale and zero point. Raises :class:`OnnxError` when that block is < 16.
     """
-    g = cols if group_size is None else group_size
-    block = g & -g
+    block = onnx_block(cols if group_size is None else group_size)  # format.scheme: the one rule
     if block < MIN_BLOCK:
         what = f"rows of {cols}" if group_size is None else f"group size {group_size}"
         raise OnnxError(f"{what}: ONNX Runtime needs a power-of-two block >= {MIN_BLOCK} "

@@ -268,7 +268,6 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
     import onnx
     from onnx import helper
 
-    from embedq.format.config import scheme_of
     G, cfg, ov = P.G, P.cfg, P.ov
     new_tensors: dict[str, np.ndarray] = {}
     made: dict[str, dict] = {}
@@ -299,7 +298,7 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
         base = module.replace("/", ".")
         d = {"weight": fresh(f"{base}.qweight"), "scales": fresh(f"{base}.qscales"),
              "zp": fresh(f"{base}.qzero_points"), "block": block, "nb": nb, "bits": t.bits,
-             "label": scheme_of(cfg["modules"][module]).label(), "reshape": None, "V": t.rows, "H": t.cols}
+             "label": ov.parsed.modules[module].scheme.label(), "reshape": None, "V": t.rows, "H": t.cols}
         new_tensors[d["weight"]] = ort_weight_bytes(t)
         new_tensors[d["scales"]] = scales
         new_tensors[d["zp"]] = ort_zero_points(t, block)
@@ -408,7 +407,6 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
     import onnx
 
     from embedq.version import __version__
-    from embedq.format.config import scheme_of
     from embedq.format.digest import digest_for
     cfg, mp = P.cfg, P.mp
     tables = sorted({r.table for r in reports})
@@ -426,7 +424,7 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
         } for r in reports}, sort_keys=True),
         f"source_{algo}": json.dumps({m: (cfg["modules"][m].get("source") or {}).get(algo)
                                       for m in tables}, sort_keys=True),
-        "scheme": json.dumps({m: scheme_of(cfg["modules"][m]).label() for m in tables}, sort_keys=True),
+        "scheme": json.dumps({m: P.ov.parsed.modules[m].scheme.label() for m in tables}, sort_keys=True),
     }
     props = [p for p in mp.metadata_props if not p.key.startswith(META_PREFIX)]
     del mp.metadata_props[:]

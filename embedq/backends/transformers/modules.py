@@ -11,9 +11,10 @@ from torch import nn
 from embedq.errors import OverlayError
 from embedq.format.codec import dequantize_rows as codec_dequantize_rows
 from embedq.format.codec import zero_points_of
-from embedq.format.config import scheme_of
-from embedq.format.constants import HEAD_NAMES
-from embedq.format.dtypes import dtype_from_name
+from embedq.format.config import ModuleEntry, OverlayConfig
+from embedq.format.constants import HEAD_NAMES, SUPPORTED_BITS
+from embedq.format.dtypes import ST_NAME_TO_DTYPE, dtype_from_name
+from embedq.format.scheme import Scheme
 from embedq.kernels import PreparedTable
 from embedq.format.reader import load_overlay
 
@@ -36,33 +37,26 @@ class PackedTable(nn.Module):
     def __init__(self, rows: int, cols: int, bits: int, group_size: int | None, symmetric: bool,
                  scale_dtype: torch.dtype, device: torch.device | str | None = "meta"):
         super().__init__()
-        if bits not in (4, 8):
+        if bits not in SUPPORTED_BITS:
             raise OverlayError(f"unsupported num_bits {bits}")
         self.rows, self.cols, self.bits = rows, cols, bits
         self.group_size = group_size
         self.symmetric = symmetric
-        groups = 1 if group_size is None else cols // group_size
-        self.groups = groups
-        kw = dict(device=device)
-        self.register_buffer("weight_packed", torch.empty(rows, cols * bits // 32, dtype=torch.int32, **kw),
-                             persistent=False)
-        self.register_buffer("weight_scale", torch.empty(rows, groups, dtype=scale_dtype, **kw),
-                             persistent=False)
-        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64, **kw), persistent=False)
-        if not symmetric:
-            zp_rows = -(-rows * bits // 32)
-            self.register_buffer("weight_zero_point", torch.empty(zp_rows, groups, dtype=torch.int32, **kw),
-                                 persistent=False)
-        else:
+        scheme = Scheme(bits=bits, symmetric=symmetric, group_size=group_size)
+        self.groups = scheme.groups(cols)
+        # the overlay's tensors, as buffers (format.scheme: the one tensor list)
+        for name, (st, shape) in scheme.tensor_shapes((rows, cols), "").items():
+            dt = scale_dtype if name == "weight_scale" else ST_NAME_TO_DTYPE[st]
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device=device), persistent=False)
+        if symmetric:
             self.weight_zero_point = None
         self.prepared: PreparedTable | None = None
 
     @classmethod
-    def from_entry(cls, entry: dict, device="meta") -> "PackedTable":
-        s = scheme_of(entry)
-        rows, cols = (int(x) for x in entry["shape"])
-        scale_dtype = dtype_from_name(entry.get("scale_dtype") or "bfloat16")
-        return cls(rows, cols, s.bits, s.group_size, s.symmetric, scale_dtype, device)
+    def from_entry(cls, entry: ModuleEntry, device="meta") -> "PackedTable":
+        s = entry.scheme
+        return cls(entry.rows, entry.cols, s.bits, s.group_size, s.symmetric,
+                   dtype_from_name(entry.scale_dtype), device)
 
     def extra_repr(self) -> str:
         g = "row" if self.group_size is None else f"g{self.group_size}"
@@ -314,7 +308,7 @@ def _by_suffix(model: nn.Module, name: str) -> tuple[str, nn.Module] | None:
     return None
 
 
-def resolve_targets(model: nn.Module, qconfig: dict) -> dict[str, tuple[str, str]]:
+def resolve_targets(model: nn.Module, qconfig: OverlayConfig) -> dict[str, tuple[str, str]]:
     """Map every overlay module and alias to a module of ``model``.
 
     Returns ``{model_module_name: (owner_table, role)}`` where ``role`` is
@@ -324,13 +318,10 @@ def resolve_targets(model: nn.Module, qconfig: dict) -> dict[str, tuple[str, str
     and then unique name suffixes are used as fallbacks. MTP / draft modules the
     model does not have are skipped.
     """
-    modules = qconfig["modules"]
-    aliases = qconfig.get("aliases") or {}
     wanted: list[tuple[str, str, str]] = []  # (overlay name, owner, role)
-    for name, e in modules.items():
-        role = e.get("role") or ("head" if name.split(".")[-1] in HEAD_NAMES else "embedding")
-        wanted.append((name, name, "head" if role == "head" else ("mtp" if role == "mtp" else "embedding")))
-    for alias, owner in aliases.items():
+    for name, e in qconfig.modules.items():
+        wanted.append((name, name, e.role))
+    for alias, owner in qconfig.aliases.items():
         role = "head" if alias.split(".")[-1] in HEAD_NAMES else "mtp"
         wanted.append((alias, owner, role))
     io_in, io_out = _io_module(model, "in"), _io_module(model, "out")
@@ -360,13 +351,13 @@ def resolve_targets(model: nn.Module, qconfig: dict) -> dict[str, tuple[str, str
     return out
 
 
-def replace_modules(model: nn.Module, qconfig: dict, dtype: torch.dtype, device="meta"
+def replace_modules(model: nn.Module, qconfig: OverlayConfig, dtype: torch.dtype, device="meta"
                     ) -> dict[str, PackedTable]:
     """Swap the targets for quantized modules (empty tables); return owner -> table."""
     targets = resolve_targets(model, qconfig)
     tables: dict[str, PackedTable] = {}
     for owner in sorted({o for o, _ in targets.values()}):
-        tables[owner] = PackedTable.from_entry(qconfig["modules"][owner], device)
+        tables[owner] = PackedTable.from_entry(qconfig.modules[owner], device)
     for mname, (owner, kind) in targets.items():
         old = model.get_submodule(mname)
         t = tables[owner]

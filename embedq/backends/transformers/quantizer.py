@@ -21,7 +21,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from embedq.backends.transformers.modules import fill_tables, replace_modules, resolve_targets
 from embedq.errors import OverlayError
-from embedq.format.config import validate_config
+from embedq.format.config import parse_config
 from embedq.format.constants import CONFIG_NAME, OVERLAY_SUFFIXES, QCONFIG_NAME, QUANT_METHOD
 
 
@@ -72,8 +72,7 @@ class EmbedqHfQuantizer(HfQuantizer):
         return super().preprocess_model(model, dtype=dtype, **kwargs)
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        qc = self.quantization_config.to_dict()
-        validate_config(qc, "config.json quantization_config")
+        qc = parse_config(self.quantization_config.to_dict(), "config.json quantization_config")
         self.overlay_dir = _overlay_dir_from(checkpoint_files, model.config)
         dtype = getattr(self, "_dtype", None)
         if not isinstance(dtype, torch.dtype):
@@ -97,7 +96,7 @@ class EmbedqHfQuantizer(HfQuantizer):
                     keep[k] = v
                 sub.all_tied_weights_keys = keep
         pats = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-        names = set(qc["modules"]) | set(qc.get("aliases") or {}) | set(gone)
+        names = set(qc.modules) | set(qc.aliases) | set(gone)
         for n in names:
             last = re.escape(n.split(".")[-1])
             pats.add(rf"(^|\.){last}\.(weight|{'|'.join(OVERLAY_SUFFIXES)})$")

@@ -36,7 +36,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 
 from embedq.errors import OverlayError
-from embedq.format.config import parse_config, scheme_of
+from embedq.format.config import ModuleEntry, parse_config
 from embedq.format.constants import (QCONFIG_NAME, QUANT_METHOD, READABLE_FORMAT_VERSIONS,
                                      is_head_name)
 from embedq.format.dtypes import dtype_from_name
@@ -60,16 +60,16 @@ class _Spec:
     """One overlay module as the vLLM layers need it (from the validated config entry)."""
 
     __slots__ = ("name", "rows", "cols", "bits", "group_size", "symmetric", "scale_dtype",
-                 "groups")
+                 "groups", "zero_point_rows")
 
-    def __init__(self, name: str, entry: dict):
+    def __init__(self, name: str, entry: ModuleEntry):
         self.name = name
-        self.rows, self.cols = (int(x) for x in entry["shape"])
-        s = scheme_of(entry)
-        s.check_shape((self.rows, self.cols), f"embedq: {name}")
+        self.rows, self.cols = entry.shape
+        s = entry.scheme
         self.bits, self.group_size, self.symmetric = s.bits, s.group_size, s.symmetric
         self.groups = s.groups(self.cols)
-        self.scale_dtype = dtype_from_name(entry.get("scale_dtype") or "bfloat16")
+        self.zero_point_rows = s.unit.zero_point_rows(self.rows)
+        self.scale_dtype = dtype_from_name(entry.scale_dtype)
 
     def same_scheme(self, other: "_Spec") -> bool:
         return (self.bits, self.group_size, self.symmetric, self.scale_dtype, self.cols) == (
@@ -84,21 +84,23 @@ class EmbedqConfig(QuantizationConfig):
         self.base = base
         super().__init__()
         self.raw = config
+        try:  # the one validated parse; every field below is read from it
+            parsed = parse_config(config, QCONFIG_NAME)
+        except OverlayError as e:
+            raise ValueError(f"embedq: {e}") from None
         self.modules: dict[str, _Spec] = {
-            name: _Spec(name, entry) for name, entry in config["modules"].items()}
-        self.aliases: dict[str, str] = dict(config.get("aliases") or {})
+            name: _Spec(name, entry) for name, entry in parsed.modules.items()}
+        self.aliases: dict[str, str] = dict(parsed.aliases)
         for alias, owner in self.aliases.items():
             if owner not in self.modules:
                 raise ValueError(f"embedq: alias {alias} -> {owner}: {owner} is not a "
                                  "quantized module of the overlay")
-        self.tied = bool(config.get("tie_word_embeddings"))
+        self.tied = parsed.tied
         # Names of the float tensors an in-place overlay leaves in the original shards.
         self.float_names: set[str] = set()
-        for name, entry in config["modules"].items():
+        for name, entry in parsed.modules.items():
             self.float_names.add(f"{name}.weight")
-            src = (entry.get("source") or {}).get("tensor")
-            if src:
-                self.float_names.add(src)
+            self.float_names.add(entry.source.tensor)
         for alias in self.aliases:
             self.float_names.add(f"{alias}.weight")
         # vLLM-side (mapped) module name -> overlay module name.

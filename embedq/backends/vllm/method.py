@@ -13,8 +13,8 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from embedq.format.codec import (dequantize_rows, pack_zero_point_rows, unpack_zero_point_rows,
-                                 zero_points_of)
+from embedq.format.codec import (dequantize_rows, pack_zero_point_rows, packed_zero_point_rows,
+                                 unpack_zero_point_rows, zero_points_of)
 from embedq.kernels import PreparedTable
 
 logger = logging.getLogger("embedq.vllm")
@@ -123,14 +123,14 @@ class EmbedqMethod(QuantizeMethodBase):
         layer.register_parameter("weight_shape", shape)
         if not spec.symmetric:
             # Kept packed along rows as on disk (int32), for this partition's rows.
-            zp = Parameter(torch.zeros(-(-rows * spec.bits // 32), spec.groups,
+            zp = Parameter(torch.zeros(packed_zero_point_rows(rows, spec.bits), spec.groups,
                                        dtype=torch.int32), requires_grad=False)
 
             def zp_loader(param, loaded_weight, _layer=layer):
                 # On disk: int32 [ceil(rows*bits/32), groups] for the whole vocabulary.
                 si = _layer.shard_indices
                 start, count = si.org_vocab_start_index, si.num_org_elements
-                want = -(-spec.rows * spec.bits // 32)
+                want = spec.zero_point_rows
                 if tuple(loaded_weight.shape) != (want, spec.groups):
                     raise ValueError(
                         f"embedq: {self.owner}.weight_zero_point has shape "

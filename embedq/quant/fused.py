@@ -38,6 +38,8 @@ from embedq.format.codec import pack_int32
 from embedq.format.codec import dequantize_codes
 from embedq.quant.rtn import quantize_rtn
 from embedq.format.scheme import Scheme
+from embedq.format import scheme_units
+from embedq.format.scheme_units import unit_for
 from embedq.quant import native
 from embedq.quant.native import kernel_cache_dir
 
@@ -91,40 +93,16 @@ def fused_rtn(x: torch.Tensor, bits: int, group: int, symmetric: bool,
     else:
         rows, cols = x.shape
         parts = [x.float().reshape(rows, cols // group, group)]
-    qmax = (1 << (bits - 1)) - 1
-    qmin = -qmax - 1
-    if symmetric and bits == 4:  # signed-max (rtn.signed_max): the signed extreme -> qmin
-        lo, hi = parts[0].amin(dim=-1), parts[0].amax(dim=-1)
-        for p in parts[1:]:
-            lo = torch.minimum(lo, p.amin(dim=-1))
-            hi = torch.maximum(hi, p.amax(dim=-1))
-        m = torch.where(-lo > hi, lo, hi)
-        scale = m / qmin
-        scale = torch.where((m > 0) | (m < 0), scale, torch.ones_like(scale))
-        s = _round_scale_up(scale, scale_dtype)
-    elif symmetric:
-        amax = parts[0].abs().amax(dim=-1)
-        for p in parts[1:]:
-            amax = torch.maximum(amax, p.abs().amax(dim=-1))
-        scale = amax / qmax
-        scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-        s = _round_scale_up(scale, scale_dtype)
-    if symmetric:
+    unit = unit_for(bits)
+    qmax, qmin = unit.qmax, unit.qmin
+    if symmetric:  # the family's rule (absmax / qmax, or signed-max at 4 bits)
+        s = _round_scale_up(unit.symmetric_scale(parts), scale_dtype)
         sf = s.float().unsqueeze(-1)
         qs = [torch.round(p / sf).clamp(qmin, qmax) for p in parts]
         zp = None
         xhats = [q * sf for q in qs] if stats else None
     else:
-        lo = parts[0].amin(dim=-1)
-        hi = parts[0].amax(dim=-1)
-        for p in parts[1:]:
-            lo = torch.minimum(lo, p.amin(dim=-1))
-            hi = torch.maximum(hi, p.amax(dim=-1))
-        lo = lo.clamp(max=0)
-        hi = hi.clamp(min=0)
-        span = hi - lo
-        levels = (1 << bits) - 1
-        scale = torch.where(span > 0, span / levels, torch.ones_like(span))
+        scale, lo = unit.asymmetric_scale(*unit.group_range(parts))
         s = _round_scale_up(scale, scale_dtype)
         sf1 = s.float()
         zpf = torch.round(qmin - lo / sf1).clamp(qmin, qmax)
@@ -134,16 +112,11 @@ def fused_rtn(x: torch.Tensor, bits: int, group: int, symmetric: bool,
         zp = zpf.to(torch.int8)
         xhats = [(q - zpe) * sf for q in qs] if stats else None
     # u = q + 2^(bits-1) is an exact small integer in float32: convert via int32.
-    us = [(q + (qmax + 1)).to(torch.int32) for q in qs]
-    if pairs and bits == 4:  # even element in the low nibble
-        packed = (us[0] + us[1] * 16).to(torch.uint8).reshape(rows, cols // 2)
-    elif pairs:  # 8 bits: two bytes per int16 -> little-endian byte order
-        packed = (us[0] + us[1] * 256).to(torch.int16).reshape(rows, cols // 2)
-    elif bits == 8:
-        packed = us[0].to(torch.uint8).reshape(rows, cols)
+    us = [(q + unit.offset).to(torch.int32) for q in qs]
+    if pairs:  # even element in the low bits: little-endian byte order
+        packed = unit.pack_pairs(us[0], us[1]).reshape(rows, cols // 2)
     else:
-        u2 = us[0].reshape(rows, cols // 2, 2)
-        packed = (u2[..., 0] + u2[..., 1] * 16).to(torch.uint8)
+        packed = unit.pack_bytes(us[0].reshape(rows, cols)).to(torch.uint8)
     if not stats:
         return packed, s, zp, None, None, None
     # Per-group float32 partial sums (same iteration space as the passes above, so
@@ -182,7 +155,8 @@ def _have_compiler() -> bool:
 
 def _source_fingerprint() -> str:
     try:
-        src = inspect.getsource(fused_rtn) + inspect.getsource(_round_scale_up)
+        src = (inspect.getsource(fused_rtn) + inspect.getsource(_round_scale_up)
+               + inspect.getsource(scheme_units))
     except (OSError, TypeError):  # pragma: no cover - no sources (zipapp)
         from embedq.version import __version__ as src
     return hashlib.sha256(src.encode()).hexdigest()[:16]
@@ -259,7 +233,7 @@ class AotiKernels:
 def _kernel_key(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
                 scale_dtype: torch.dtype, stats: bool) -> tuple:
     """The AotiKernels key of the kernel :func:`quantize_pack` uses for such chunks."""
-    pairs = dtype == torch.bfloat16 and scheme.bits in PAIRS_BITS
+    pairs = dtype == torch.bfloat16 and scheme.unit.fused_pairs
     shape = (rows, cols // 2) if pairs else (rows, cols)
     return (shape, torch.int32 if pairs else dtype, scheme.bits, scheme.effective_group(cols),
             scheme.symmetric, scale_dtype, stats, pairs)
@@ -341,11 +315,13 @@ def _fallback(e: Exception) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-PAIRS_BITS = (4,)  # which bit widths use the bf16-pairs formulation (measured faster)
+# bit widths whose fused kernel reads bf16 pairs (tests name them)
+PAIRS_BITS = tuple(b for b, u in scheme_units.UNITS.items() if u.fused_pairs)
 
 
 def _use_pairs(x: torch.Tensor, scheme: Scheme) -> bool:
-    return x.dtype == torch.bfloat16 and scheme.bits in PAIRS_BITS
+    """bf16 chunks of a family that reads them as int32 pairs (``IntUnit.fused_pairs``)."""
+    return x.dtype == torch.bfloat16 and scheme.unit.fused_pairs
 
 
 def chunk_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
