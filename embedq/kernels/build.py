@@ -123,7 +123,9 @@ class LazyLibrary:
     """
 
     def __init__(self, name: str, source, flags: list[str], libs: list[str] = (),
-                 needs: tuple[str, ...] = (), machines: tuple[str, ...] = (), setup=None) -> None:
+                 needs: tuple[str, ...] = (), machines: tuple[str, ...] = (), setup=None,
+                 label: str | None = None) -> None:
+        self.label = label or name
         self.name, self._source, self.flags, self.libs = name, source, list(flags), list(libs)
         self.needs, self.machines, self._setup = tuple(needs), tuple(machines), setup
         self._lock = threading.Lock()
@@ -158,7 +160,7 @@ class LazyLibrary:
         why = self._refused()
         if why is None and self.get() is None:
             why = self._reason
-        return None if why is None else f"{self.name} kernel unavailable: {why}"
+        return None if why is None else f"{self.label} kernel unavailable: {why}"
 
     def reset(self) -> None:
         """Forget a failed (or successful) load: the next :meth:`get` builds again (tests)."""

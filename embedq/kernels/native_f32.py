@@ -41,8 +41,9 @@ def _source() -> str:
 
 VARIANTS: dict[str, LazyLibrary] = {
     "avx2": LazyLibrary("head_avx2", _source, [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
-                        needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup),
-    "portable": LazyLibrary("head_portable", _source, _COMMON, setup=_setup),
+                        needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup,
+                        label="native head (AVX2+FMA)"),
+    "portable": LazyLibrary("head_portable", _source, _COMMON, setup=_setup, label="native head (portable C)"),
 }
 
 
