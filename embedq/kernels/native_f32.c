@@ -17,7 +17,8 @@
    dot with float32 activations (converted by the caller, exactly, from bf16/f16) then
    differs from F.linear only in summation order.
 
-   Blocking (why): a super-block of SB x 16 rows x KC columns is decoded once into a float32
+   M <= 2 (AVX2): decoded in registers, scale after each group's dot (see direct8/direct4).
+   Blocking (why, M > 2): a super-block of SB x 16 rows x KC columns is decoded once into a float32
    scratch (64 KiB: L2) and every activation row runs over it in tiles of MR = 6 rows x 16
    table rows (12 accumulators + 2 weights + 1 broadcast = 15 of 16 ymm registers: the
    classic sgemm microkernel). Each weight byte is read and decoded once per call at every
@@ -38,7 +39,7 @@
 enum { RB = 16, SB = 8, KC = 128, MR = 6 };
 
 typedef struct {
-    const uint8_t* w; const void* s; const int8_t* z; const float* x;
+    const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
     void* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind, okind;
 } job_t;
 
@@ -246,9 +247,129 @@ static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
     for (int r = 0; r < nr; r++) o[r] = okind == 1 ? f32_to_bf16(a[r]) : f32_to_f16(a[r]);
 }
 
+#if EQ_AVX2
+/* ---- M <= 2 (decode-bound: the common decode batch): codes decoded in registers ----
+   No scratch round trip: each code is widened and converted once and used by the nm rows
+   right away; the group's scale is applied after its dot and asymmetric rows subtract
+   z * sum(x_group) first (x . ((q - z) s) = s (x . q - z sum x): the reference value up to
+   float32 rounding, within the summation-order bound). */
+enum { DIRECT_M = 2 };
+
+static inline void scales16(const job_t* j, int64_t i0, __m256* s0, __m256* s1) {
+    if (j->skind == 0) { *s0 = _mm256_loadu_ps((const float*)j->s + i0); *s1 = _mm256_loadu_ps((const float*)j->s + i0 + 8); return; }
+    __m128i a = _mm_loadu_si128((const __m128i*)((const uint16_t*)j->s + i0));
+    __m128i b = _mm_loadu_si128((const __m128i*)((const uint16_t*)j->s + i0 + 8));
+    if (j->skind == 2) { *s0 = _mm256_cvtph_ps(a); *s1 = _mm256_cvtph_ps(b); return; }
+    *s0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+    *s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+/* int8: the stored pairs [r c0, r c1] stay interleaved in the lanes (vpmovsxbd straight
+   from memory, no shuffle) and meet a broadcast (x[2p], x[2p+1]); a horizontal add per
+   group folds the column parity. acc[i][q]: rows 4q..4q+3, both parities. */
+static inline __attribute__((always_inline)) void direct8(const int nm, const job_t* j, int64_t nb,
+        const float* xs, float* o /* [nm][16] */) {
+    const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, K = j->K;
+    const int8_t* wq = (const int8_t*)j->w + nb * KP * 32;
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 acc[2][4];
+        for (int i = 0; i < nm; i++) for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
+        for (int64_t p = gi * PG; p < (gi + 1) * PG; p++) {
+            const int8_t* c = wq + p * 32;
+            __m256d xd[2];
+            for (int i = 0; i < nm; i++) xd[i] = _mm256_broadcast_sd((const double*)(j->x + i * K + 2 * p));
+            for (int q = 0; q < 4; q++) {
+                __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * q))));
+                for (int i = 0; i < nm; i++) acc[i][q] = _mm256_fmadd_ps(_mm256_castpd_ps(xd[i]), w, acc[i][q]);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++) {
+            /* hadd: rows [0 1 4 5 | 2 3 6 7] -> permute to 0..7 */
+            __m256 t0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][0], acc[i][1])), 0xD8));
+            __m256 t1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][2], acc[i][3])), 0xD8));
+            if (j->z) {
+                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
+                const int8_t* zz = j->z + (nb * G + gi) * RB;
+                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+            }
+            float* oi = o + i * RB;
+            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
+            else {
+                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
+                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
+            }
+        }
+    }
+}
+
+/* 4-bit: low nibbles = column 2p of the 16 rows, high = 2p+1; q = u - 8 in int8 (exact)
+   before the conversion, so the dot is x . q as in the reference (no 8 * sum(x) to cancel).
+   acc[i][c][h]: column parity c, rows 8h..8h+7. */
+static inline __attribute__((always_inline)) void direct4(const int nm, const job_t* j, int64_t nb,
+        const float* xs, float* o) {
+    const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, K = j->K;
+    const uint8_t* wb = j->w + nb * KP * 16;
+    const __m128i m4 = _mm_set1_epi8(0x0f), e8 = _mm_set1_epi8(8);
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 acc[2][2][2];
+        for (int i = 0; i < nm; i++) for (int c = 0; c < 2; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+        for (int64_t p = gi * PG; p < (gi + 1) * PG; p++) {
+            __m128i b = _mm_loadu_si128((const __m128i*)(wb + p * 16));
+            __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), e8);
+            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), e8);
+            __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+            __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+            __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+            for (int i = 0; i < nm; i++) {
+                const __m256 x0 = _mm256_broadcast_ss(j->x + i * K + 2 * p), x1 = _mm256_broadcast_ss(j->x + i * K + 2 * p + 1);
+                acc[i][0][0] = _mm256_fmadd_ps(x0, w00, acc[i][0][0]);
+                acc[i][0][1] = _mm256_fmadd_ps(x0, w01, acc[i][0][1]);
+                acc[i][1][0] = _mm256_fmadd_ps(x1, w10, acc[i][1][0]);
+                acc[i][1][1] = _mm256_fmadd_ps(x1, w11, acc[i][1][1]);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++) {
+            __m256 t0 = _mm256_add_ps(acc[i][0][0], acc[i][1][0]), t1 = _mm256_add_ps(acc[i][0][1], acc[i][1][1]);
+            if (j->z) {
+                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
+                const int8_t* zz = j->z + (nb * G + gi) * RB;
+                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+            }
+            float* oi = o + i * RB;
+            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
+            else {
+                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
+                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
+            }
+        }
+    }
+}
+
+static void run_direct(const job_t* j, const float* xs) {
+    float o[DIRECT_M * RB];
+    for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
+        if (j->bits == 8) { if (j->M == 1) direct8(1, j, nb, xs, o); else direct8(2, j, nb, xs, o); }
+        else { if (j->M == 1) direct4(1, j, nb, xs, o); else direct4(2, j, nb, xs, o); }
+        const int64_t r0 = nb * RB;
+        const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
+        for (int64_t m = 0; m < j->M; m++) store_row(o + m * RB, j->out, j->okind, m * j->ldo + r0, nr);
+    }
+}
+#endif
+
 static void* run(void* arg) {
     job_t* j = (job_t*)arg;
     const int64_t M = j->M, K = j->K, LDA = SB * RB;
+#if EQ_AVX2
+    if (M <= DIRECT_M) { run_direct(j, j->xs); return NULL; }
+#endif
     float* scratch = malloc(sizeof(float) * SB * KC * RB);
     float* acc = malloc(sizeof(float) * M * LDA);
     if (!scratch || !acc) { free(scratch); free(acc); return (void*)1; }
@@ -283,11 +404,22 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (nthreads < 1) nthreads = 1;
     if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
     if (nthreads > 64) nthreads = 64;
+    float* xs = NULL;  /* per-group sums of x: the zero-point term of the M <= 2 path */
+    if (z && M <= 2) {
+        xs = malloc(sizeof(float) * M * (K / g));
+        if (!xs) return 1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < K / g; gi++) {
+                float a = 0;
+                for (int64_t k = 0; k < g; k++) a += x[m * K + gi * g + k];
+                xs[m * (K / g) + gi] = a;
+            }
+    }
     job_t jobs[64]; pthread_t th[64]; int started[64] = {0};
     for (int t = 0; t < nthreads; t++) {
         /* whole super-blocks per thread */
         int64_t nsb = (NB + SB - 1) / SB, a = nsb * t / nthreads * SB, b = nsb * (t + 1) / nthreads * SB;
-        job_t jj = {w, s, z, x, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind};
+        job_t jj = {w, s, z, x, xs, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind};
         jobs[t] = jj;
     }
     int rc = 0;
@@ -298,5 +430,6 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
         if (started[t]) pthread_join(th[t], &r); else r = run(&jobs[t]);
         rc |= r != NULL;
     }
+    free(xs);
     return rc;
 }
