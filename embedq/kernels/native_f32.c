@@ -273,16 +273,35 @@ static inline __attribute__((always_inline)) void direct8(const int nm, const jo
     const int8_t* wq = (const int8_t*)j->w + nb * KP * 32;
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 acc[2][4];
-        for (int i = 0; i < nm; i++) for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
-        for (int64_t p = gi * PG; p < (gi + 1) * PG; p++) {
+        for (int i = 0; i < 2; i++) for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
+        /* one row (nm == 1): even and odd pairs into two accumulator sets, 8 FMA chains
+           (one set leaves 4, and FMA latency would bound the loop) */
+#define PAIR8(P, I, A) do {                                                                       \
+            const int8_t* c = wq + (P) * 32;                                                      \
+            const __m256 xd = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + (I) * K + 2 * (P)))); \
+            for (int q = 0; q < 4; q++)                                                           \
+                A[q] = _mm256_fmadd_ps(xd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(               \
+                           _mm_loadl_epi64((const __m128i*)(c + 8 * q)))), A[q]);                 \
+        } while (0)
+        int64_t p = gi * PG;
+        const int64_t pe = (gi + 1) * PG;
+        if (nm == 1)
+            for (; p + 1 < pe; p += 2) { PAIR8(p, 0, acc[0]); PAIR8(p + 1, 0, acc[1]); }
+        for (; p < pe; p++) {
+            if (nm == 1) { PAIR8(p, 0, acc[0]); continue; }
+            /* two rows: each decoded code serves both (decode once, 8 chains) */
             const int8_t* c = wq + p * 32;
-            __m256d xd[2];
-            for (int i = 0; i < nm; i++) xd[i] = _mm256_broadcast_sd((const double*)(j->x + i * K + 2 * p));
+            const __m256 x0 = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + 2 * p)));
+            const __m256 x1 = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + K + 2 * p)));
             for (int q = 0; q < 4; q++) {
                 __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * q))));
-                for (int i = 0; i < nm; i++) acc[i][q] = _mm256_fmadd_ps(_mm256_castpd_ps(xd[i]), w, acc[i][q]);
+                acc[0][q] = _mm256_fmadd_ps(x0, w, acc[0][q]);
+                acc[1][q] = _mm256_fmadd_ps(x1, w, acc[1][q]);
             }
         }
+#undef PAIR8
+        if (nm == 1)
+            for (int q = 0; q < 4; q++) acc[0][q] = _mm256_add_ps(acc[0][q], acc[1][q]);
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
         for (int i = 0; i < nm; i++) {
@@ -315,23 +334,33 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
     const __m128i m4 = _mm_set1_epi8(0x0f), e8 = _mm_set1_epi8(8);
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 acc[2][2][2];
-        for (int i = 0; i < nm; i++) for (int c = 0; c < 2; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
-        for (int64_t p = gi * PG; p < (gi + 1) * PG; p++) {
-            __m128i b = _mm_loadu_si128((const __m128i*)(wb + p * 16));
-            __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), e8);
-            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), e8);
-            __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-            __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-            __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-            for (int i = 0; i < nm; i++) {
-                const __m256 x0 = _mm256_broadcast_ss(j->x + i * K + 2 * p), x1 = _mm256_broadcast_ss(j->x + i * K + 2 * p + 1);
-                acc[i][0][0] = _mm256_fmadd_ps(x0, w00, acc[i][0][0]);
-                acc[i][0][1] = _mm256_fmadd_ps(x0, w01, acc[i][0][1]);
-                acc[i][1][0] = _mm256_fmadd_ps(x1, w10, acc[i][1][0]);
-                acc[i][1][1] = _mm256_fmadd_ps(x1, w11, acc[i][1][1]);
-            }
-        }
+        for (int i = 0; i < 2; i++) for (int c = 0; c < 2; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+        /* nm == 1: even/odd pairs into acc[0] / acc[1] (8 FMA chains, as in direct8) */
+#define PAIR4(P, NM, A0) do {                                                                     \
+            __m128i b = _mm_loadu_si128((const __m128i*)(wb + (P) * 16));                         \
+            __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), e8);                                  \
+            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), e8);               \
+            __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));                            \
+            __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));         \
+            __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));                            \
+            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));         \
+            for (int i = 0; i < (NM); i++) {                                                      \
+                const __m256 x0 = _mm256_broadcast_ss(j->x + i * K + 2 * (P));                    \
+                const __m256 x1 = _mm256_broadcast_ss(j->x + i * K + 2 * (P) + 1);                \
+                acc[(A0) + i][0][0] = _mm256_fmadd_ps(x0, w00, acc[(A0) + i][0][0]);              \
+                acc[(A0) + i][0][1] = _mm256_fmadd_ps(x0, w01, acc[(A0) + i][0][1]);              \
+                acc[(A0) + i][1][0] = _mm256_fmadd_ps(x1, w10, acc[(A0) + i][1][0]);              \
+                acc[(A0) + i][1][1] = _mm256_fmadd_ps(x1, w11, acc[(A0) + i][1][1]);              \
+            }                                                                                     \
+        } while (0)
+        int64_t p = gi * PG;
+        const int64_t pe = (gi + 1) * PG;
+        if (nm == 1)
+            for (; p + 1 < pe; p += 2) { PAIR4(p, 1, 0); PAIR4(p + 1, 1, 1); }
+        for (; p < pe; p++) PAIR4(p, nm, 0);
+#undef PAIR4
+        if (nm == 1)
+            for (int c = 0; c < 2; c++) for (int h = 0; h < 2; h++) acc[0][c][h] = _mm256_add_ps(acc[0][c][h], acc[1][c][h]);
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
         for (int i = 0; i < nm; i++) {
