@@ -329,6 +329,18 @@ class PreparedTable:
                          torch.zeros_like(sf))
         return torch.round(zp).to(torch.int8)
 
+    def move_(self, fn) -> "PreparedTable":
+        """Apply ``fn`` (a ``Module._apply`` function: a device or dtype move) to the held
+        tensors, in place. Codes and scales keep their dtype (a cast would change the table),
+        except the int4 layout's scale/zero pairs, which live in the activation dtype."""
+        for k, v in list(vars(self).items()):
+            if isinstance(v, torch.Tensor):
+                setattr(self, k, fn(v) if self.kind == "int4_cpu" else fn(v).to(v.dtype))
+        self.device = next(v for v in vars(self).values() if isinstance(v, torch.Tensor)).device
+        if self.kind == "int4_cpu":
+            self.dtype = self.sz.dtype
+        return self
+
     # -- introspection --------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
