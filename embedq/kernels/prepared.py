@@ -14,10 +14,13 @@ signed zero point (0 when symmetric), ``scale``/``zp`` those of ``c``'s group.
 Paths (``PreparedTable.kind``: the layout), chosen at prepare time by the one dispatch
 table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype and M:
 
-* ``native``     embedq's own C kernel (:mod:`embedq.kernels.native_head`), every scheme on
-  x86-64 CPUs with AVX512-BF16: codes converted to bf16 once per call, exact products,
-  scales after the dot, each weight byte read once per call at every M. The gather reads
-  the same blocked layout. The default on such CPUs; the rows below are its fallbacks.
+* ``native``     embedq's own C kernels over one blocked layout (16-row blocks, column
+  pairs; the gather reads it too), every scheme, each weight byte read once per call at
+  every M; the kernel per CPU variant (the dispatch table's ``isa``, chosen at load from
+  ``build.cpu_flags()``): AVX512-BF16 ``vdpbf16ps`` for bf16 activations
+  (:mod:`embedq.kernels.native_head`), AVX2+FMA and portable C for every activation dtype
+  (:mod:`embedq.kernels.native_f32`). The default wherever a C compiler is found; the
+  rows below are its fallbacks.
 * ``triton``     CUDA with Triton installed (or forced on CPU tensors by
   ``EMBEDQ_SERVE_KERNEL=triton``, for ``TRITON_INTERPRET=1``): the on-disk layout kept
   as is (packed int32, scales, int8 zero points), read by the kernels of
@@ -39,8 +42,8 @@ table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype 
   groups larger than 256 are expressed as groups the op supports (scales repeated).
 * ``chunked``    anything else: the on-disk layout, dequantized a bounded chunk of rows
   at a time (the reference arithmetic), with a one-time warning naming why a better
-  layout was refused. Activations in a dtype a layout's kernel does not take (the
-  native and torch CPU kernels: bf16) run the same chunked arithmetic over that layout.
+  layout was refused. Activations in a dtype a layout's kernel does not take (torch's CPU
+  ops: bf16) run the same chunked arithmetic over that layout.
 
 Memory: the native and Triton layouts hold the overlay's bytes (native: plus rows padded
 to 16); the torch fallbacks int8 the same, int4 its interleaved [groups, rows, 2]
