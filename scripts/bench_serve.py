@@ -1,18 +1,23 @@
 #!/usr/bin/env python
-"""Serving-speed benchmark: quantized head (and later whole-model decode) vs bf16.
+"""Serving-speed benchmark: quantized head (and whole-model decode) vs the best float path.
 
-Head section (``--section head``): synthetic random tables of real head shapes, one
-forward of the head (logits = x @ W^T) per call, bf16 activations; every path is timed
-interleaved in the same loop (round-robin, starting path rotated each round) so that
-load from other processes on the machine hits all paths alike; medians, ratios to
-``bf16`` and the load average are printed.
+Head section (``--section head``, the default; ~3-5 min on 2 cores): Gemma 3 270M's real
+tied table (262144 x 640) and real final hidden states (``--table synthetic`` for other
+shapes), one forward of the head (logits = x @ W^T) per call at M = ``--batches`` rows;
+every path is timed interleaved in the same loop (round-robin, starting path rotated
+each round) so that load from other processes hits all paths alike. Printed: the CPU
+model and ISA level, the kernel variant each table got, medians, ratios to the FASTER
+of the two float baselines at that M, and the load average.
 
-Paths per scheme ``S`` (``--schemes``, e.g. ``int8 q4g32 int8a q4g32a int8g32``):
-  bf16        F.linear with the bf16 table (the baseline)
-  S           embedq.kernels.PreparedTable.linear (the fast path)
-  S-ref       with --ref: the chunked reference (backends.transformers.QuantizedLMHead, prefer chunked)
+Paths:
+  bf16, f32   F.linear with a bf16 / a float32 table (baselines: bf16 is emulated, hence
+              slow, on CPUs without AVX512-BF16)
+  S@A         embedq.kernels.PreparedTable.linear for scheme S (``--schemes``: int8 = per
+              row, int8g64, q4g32, ...; suffix a = asymmetric) with activations A (``--acts``)
+  S-ref       with --ref: the chunked reference (backends.transformers.QuantizedLMHead)
 
-    PYTHONPATH=. python scripts/bench_serve.py --shapes gemma270m -n 15   # all schemes, M = 1..256
+    PYTHONPATH=. python scripts/bench_serve.py                        # the default head run
+    EMBEDQ_CPU_FEATURES=none PYTHONPATH=. python scripts/bench_serve.py   # the portable C kernel
 
 Whole-model sections, Gemma 3 270M (the fixture of scripts/make_gemma3_fixture.py, copied
 and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row), ``int8g64`` and ``q4g32``,
@@ -129,39 +134,95 @@ def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set) -> 
     return times
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the ISA level embedq's kernels see (``EMBEDQ_CPU_FEATURES``)."""
+    from embedq.kernels.build import cpu_flags
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    fl = cpu_flags()
+    isa = ("avx512_bf16" if "avx512_bf16" in fl else "avx512f" if "avx512f" in fl
+           else "avx2+fma" if {"avx2", "fma"} <= fl else "baseline")
+    return f"{name} ({isa})"
+
+
+def gemma_head(n_tokens: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 3 270M's tied table (bf16 [262144, 640]) and real final hidden states
+    (float32 [n_tokens, 640]: the head's input over a fixed token sequence)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "make_gemma3_fixture", Path(__file__).resolve().parent / "make_gemma3_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = Path(mod.ensure_gemma3_270m())
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(3, 200_000, (1, n_tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        h = model.model(input_ids=ids).last_hidden_state[0]  # after the final norm: the head's input
+    w = model.get_output_embeddings().weight.detach().to(torch.bfloat16).clone()
+    del model
+    gc.collect()
+    return w, h.float()
+
+
 def bench_head(args) -> list[dict]:
+    """Head time / the faster float path (bf16 or float32 F.linear, each with its own table)."""
     results = []
-    for shape_name in args.shapes:
-        rows, cols = SHAPES[shape_name]
-        print(f"\n== head {shape_name}: {rows} x {cols}  (load avg {load()})", flush=True)
-        w = synthetic_table(rows, cols)
-        fns = {"bf16": lambda x, w=w: F.linear(x, w)}
-        slow = set()
+    tables = args.shapes if args.table == "synthetic" else ["gemma270m-real"]
+    for shape_name in tables:
+        if args.table == "synthetic":
+            rows, cols = SHAPES[shape_name]
+            w = synthetic_table(rows, cols)
+            hidden = torch.randn(max(args.batches), cols, generator=torch.Generator().manual_seed(1))
+        else:
+            w, hidden = gemma_head(max(args.batches))
+            rows, cols = w.shape
+        print(f"\n== head {shape_name}: {rows} x {cols} on {cpu_model()} (load avg {load()})", flush=True)
+        w32 = w.float()
+        fns = {"bf16": ("bf16", lambda x, w=w: F.linear(x, w)),
+               "f32": ("f32", lambda x, w=w32: F.linear(x, w))}
         for sname in args.schemes:
             qt = quantize_table(w, parse_scheme(sname))
             p = PreparedTable.from_table(qt, dtype=torch.bfloat16)
             print(f"   {sname}: {p.describe()}, {p.nbytes / 2**20:.1f} MiB "
-                  f"(overlay {qt.nbytes() / 2**20:.1f} MiB, bf16 {w.numel() * 2 / 2**20:.1f} MiB)", flush=True)
-            fns[sname] = p.linear
+                  f"(bf16 {w.numel() * 2 / 2**20:.1f} MiB); {p.variants()}", flush=True)
+            for act in args.acts:
+                fns[f"{sname}@{act}"] = (act, p.linear)
             if args.ref:
-                fns[f"{sname}-ref"] = reference_head(qt)
-                slow.add(f"{sname}-ref")
+                fns[f"{sname}-ref"] = ("bf16", reference_head(qt))
             del qt
             gc.collect()
+        slow = {k for k in fns if k.endswith("-ref")}
+        dts = {"bf16": torch.bfloat16, "f32": torch.float32}
         for m in args.batches:
-            x = torch.randn(m, cols, dtype=torch.bfloat16)
+            xs = {a: hidden[:m].to(dts[a]).contiguous() for a in dts}
             la0 = load()
-            times = timed_rounds(fns, x, args.n, args.n_ref, slow)
-            base = statistics.median(times["bf16"])
-            print(f"-- batch {m}: median of {args.n} ({args.n_ref} for -ref); load avg {la0} -> {load()}")
+            times = timed_rounds({k: (lambda _x, f=f, a=a: f(xs[a])) for k, (a, f) in fns.items()},
+                                 None, args.n, args.n_ref, slow)
+            med = {k: statistics.median(ts) for k, ts in times.items()}
+            best = min((b for b in ("bf16", "f32") if b in med), key=med.get)
+            base = med[best]
+            print(f"-- batch {m}: median of {args.n}; baseline = {best} F.linear "
+                  f"({', '.join(f'{b} {med[b] * 1e3:.1f} ms' for b in ('bf16', 'f32') if b in med)}); "
+                  f"load avg {la0} -> {load()}")
+            # bf16 F.linear emulated (no AVX512-BF16): once 2x slower than f32 it only grows
+            # with M; dropped for larger M (it can no longer be the faster baseline)
+            drop = "bf16" in med and med["bf16"] > 2 * med["f32"] and not args.keep_bf16
             for k, ts in times.items():
-                med = statistics.median(ts)
-                print(f"   {k:14s} {med * 1e3:9.1f} ms  {med / base:6.2f}x bf16   "
+                print(f"   {k:14s} {med[k] * 1e3:9.1f} ms  {med[k] / base:6.2f}x best float   "
                       f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)})", flush=True)
                 results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m,
-                                    path=k, median_ms=med * 1e3, ratio_vs_bf16=med / base,
-                                    n=len(ts), loadavg_before=la0, loadavg_after=load()))
-        del w, fns
+                                    path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
+                                    baseline=best, cpu=cpu_model(), n=len(ts),
+                                    loadavg_before=la0, loadavg_after=load()))
+            if drop:
+                print("   (bf16 F.linear > 2x f32 F.linear: not timed at larger M; --keep-bf16 times it)")
+                fns.pop("bf16")
+        del w, w32, fns
         gc.collect()
     return results
 
@@ -218,17 +279,26 @@ def bench_hf(args) -> list[dict]:
     import transformers
     import embedq
     paths = gemma_models(args.workdir)
-    print(f"\n== transformers {transformers.__version__} generate, batches {args.hf_batches}, "
-          f"{args.new_tokens} new tokens (load avg {load()})", flush=True)
+    rows = []
+    for dname in args.hf_dtypes:
+        rows += _bench_hf_dtype(args, transformers, embedq, paths, dname)
+    return rows
+
+
+def _bench_hf_dtype(args, transformers, embedq, paths, dname) -> list[dict]:
+    """One model dtype: every model (float included) loaded in it, ratios to that float model."""
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dname]
+    print(f"\n== transformers {transformers.__version__} generate, {dname} models, batches "
+          f"{args.hf_batches}, {args.new_tokens} new tokens on {cpu_model()} (load avg {load()})", flush=True)
     models = {}
     for name, d in paths.items():
         if name == "float":
-            models[name] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+            models[name] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
         else:
-            models[name] = embedq.load(str(d), dtype=torch.bfloat16)
+            models[name] = embedq.load(str(d), dtype=dtype)
         models[name].eval()
     for name, m in models.items():
-        kinds = sorted({mod.prepared.kind for mod in m.modules()
+        kinds = sorted({f"{mod.prepared.kind}: {mod.prepared.variants()}" for mod in m.modules()
                         if getattr(mod, "prepared", None) is not None})
         print(f"   {name}: {kinds or 'no embedq tables'}", flush=True)
     n = args.new_tokens
@@ -255,7 +325,10 @@ def bench_hf(args) -> list[dict]:
         for k in names[1:]:
             same = sum(a == b for a, b in zip(outs[k], outs["float"]))
             print(f"   batch {batch}: {k}: {same}/{n} greedy tokens (first sequence) equal to float's")
-        rows += summarize("hf", f"batch {batch}", times, n * batch, loads, dict(new_tokens=n, batch=batch))
+        rows += summarize("hf", f"{dname} batch {batch}", times, n * batch, loads,
+                          dict(new_tokens=n, batch=batch, dtype=dname, cpu=cpu_model()))
+    del models
+    gc.collect()
     return rows
 
 
@@ -360,18 +433,27 @@ SECTIONS = {"head": bench_head, "hf": bench_hf, "vllm": bench_vllm}
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", nargs="+", default=["head"], choices=sorted(SECTIONS))
-    ap.add_argument("--shapes", nargs="+", default=["gemma270m"], choices=sorted(SHAPES))
-    ap.add_argument("--schemes", nargs="+", default=[
-        "int8", "int8a", "int8g32", "int8g64", "int8g64a", "int8g128", "int8g128a",
-        "q4g32", "q4g32a", "q4g64", "q4g64a"])
+    ap.add_argument("--shapes", nargs="+", default=["gemma270m"], choices=sorted(SHAPES),
+                    help="with --table synthetic")
+    ap.add_argument("--table", choices=["gemma", "synthetic"], default="gemma",
+                    help="head section: Gemma 3 270M's real table and hidden states (the fixture of "
+                         "scripts/make_gemma3_fixture.py), or synthetic tables of --shapes")
+    ap.add_argument("--schemes", nargs="+", default=["int8", "int8g64", "int8g128", "q4g32"],
+                    help="head schemes: int8 (per row), int8g64, q4g32, ...; suffix a = asymmetric")
+    ap.add_argument("--acts", nargs="+", default=["bf16", "f32"], choices=["bf16", "f32"],
+                    help="activation dtypes the quantized heads are timed in")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 64, 256])
-    ap.add_argument("-n", type=int, default=15, help="rounds (median over them)")
+    ap.add_argument("-n", type=int, default=5, help="rounds (median over them)")
+    ap.add_argument("--keep-bf16", action="store_true",
+                    help="time bf16 F.linear at every M (default: dropped once > 2x float32's)")
     ap.add_argument("--n-ref", type=int, default=3, help="rounds for the slow reference paths")
     ap.add_argument("--ref", action="store_true", help="also time the chunked reference path (slow)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
     ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--hf-dtypes", nargs="+", default=["bf16", "f32"], choices=["bf16", "f32"],
+                    help="dtypes the hf section loads every model in (ratios to the float model in it)")
     ap.add_argument("--workdir", type=Path,
                     default=Path(os.environ.get("EMBEDQ_CACHE", Path.home() / ".cache/embedq")) / "bench-serve",
                     help="quantized Gemma copies (made once)")
@@ -380,8 +462,8 @@ def main(argv=None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, load avg {load()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, torch cpu "
+          f"capability {torch.backends.cpu.get_cpu_capability()}, load avg {load()}")
     results = []
     for s in args.section:
         results += SECTIONS[s](args)

@@ -15,7 +15,13 @@ import shutil
 import subprocess
 import sys
 import threading
+from functools import lru_cache
 from pathlib import Path
+
+import torch
+
+# How a kernel reads a scale tensor's dtype (every C kernel of embedq uses these codes).
+SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def compiler() -> str | None:
@@ -39,8 +45,9 @@ def cpu_ident() -> str:
     return platform.machine() + platform.processor()
 
 
-def _hardware_flags() -> set[str]:
-    return set(cpu_ident().split(":", 1)[-1].split())
+@lru_cache(maxsize=1)
+def _hardware_flags() -> frozenset[str]:
+    return frozenset(cpu_ident().split(":", 1)[-1].split())
 
 
 def cpu_flags() -> set[str]:
@@ -56,7 +63,7 @@ def cpu_flags() -> set[str]:
     hw = _hardware_flags()
     spec = os.environ.get("EMBEDQ_CPU_FEATURES", "").replace(",", " ").split()
     if not spec:
-        return hw
+        return set(hw)
     keep = {t for t in spec if not t.startswith("-")}
     out = hw & keep if keep else set(hw)
     if "none" in keep:
@@ -106,4 +113,60 @@ def load_library(name: str, source: str, flags: list[str], libs: list[str] = ())
     return ctypes.CDLL(str(path))
 
 
-__all__ = ["compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir", "library_path", "load_library"]
+class LazyLibrary:
+    """One C kernel library: built and loaded on first use, at most once per process.
+
+    ``needs``: CPU features (:func:`cpu_flags` names) the code requires, checked on every
+    call (``EMBEDQ_CPU_FEATURES`` may change between loads); ``machines``: the
+    ``platform.machine()`` values it compiles for (empty: any); ``setup(lib)`` declares the
+    ctypes signatures. :meth:`get` returns the library or None; :meth:`unavailable` why not.
+    """
+
+    def __init__(self, name: str, source, flags: list[str], libs: list[str] = (),
+                 needs: tuple[str, ...] = (), machines: tuple[str, ...] = (), setup=None,
+                 label: str | None = None) -> None:
+        self.label = label or name
+        self.name, self._source, self.flags, self.libs = name, source, list(flags), list(libs)
+        self.needs, self.machines, self._setup = tuple(needs), tuple(machines), setup
+        self._lock = threading.Lock()
+        self._lib = None  # ctypes library, or False when it failed to build/load
+        self._reason: str | None = None
+
+    def _refused(self) -> str | None:
+        import platform
+        if self.machines and platform.machine().lower() not in self.machines:
+            return f"not {'/'.join(self.machines)} ({platform.machine()})"
+        missing = [f for f in self.needs if f not in cpu_flags()]
+        return f"CPU lacks {', '.join(missing)}" if missing else None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._refused():
+            return None
+        with self._lock:
+            if self._lib is None:
+                try:
+                    src = self._source() if callable(self._source) else self._source
+                    lib = load_library(self.name, src, self.flags, self.libs)
+                    if self._setup is not None:
+                        self._setup(lib)
+                    self._lib = lib
+                except Exception as e:  # noqa: BLE001 - any failure means: use another kernel
+                    self._reason = f"{e}"
+                    self._lib = False
+            return self._lib or None
+
+    def unavailable(self) -> str | None:
+        """None when the library runs here, else why not (one line)."""
+        why = self._refused()
+        if why is None and self.get() is None:
+            why = self._reason
+        return None if why is None else f"{self.label} kernel unavailable: {why}"
+
+    def reset(self) -> None:
+        """Forget a failed (or successful) load: the next :meth:`get` builds again (tests)."""
+        with self._lock:
+            self._lib, self._reason = None, None
+
+
+__all__ = ["LazyLibrary", "SCALE_KIND", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
+           "library_path", "load_library"]

@@ -24,18 +24,16 @@ as the overlay plus the row padding.
 
 Needs x86-64 with AVX512F/BW/VL and AVX512_BF16 and a C compiler (built once, ~1 s,
 cached by source and CPU flags); otherwise :func:`unavailable` says why and the dispatch
-table falls back (torch's weight-only kernels, then chunked dequantization).
+table serves the same layout with :mod:`embedq.kernels.native_f32` (AVX2 or portable C).
 """
 
 from __future__ import annotations
 
 import ctypes
-import platform
-import threading
 
 import torch
 
-from embedq.kernels.build import cpu_flags, load_library
+from embedq.kernels.build import SCALE_KIND, LazyLibrary
 
 C_SOURCE = r"""#include <stdint.h>
 #include <string.h>
@@ -200,38 +198,21 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off
          "-shared", "-fPIC", "-pthread"]
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
 BLOCK = 16  # rows per block (one 512-bit register of float32 lanes)
-_SKIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-_lock = threading.Lock()
-_lib = None  # ctypes library, or False when unavailable
-_reason: str | None = None
 
 
-def _load():
-    global _lib, _reason
-    with _lock:
-        if _lib is not None:
-            return _lib or None
-        try:
-            if platform.machine().lower() not in ("x86_64", "amd64"):
-                raise RuntimeError(f"not x86-64 ({platform.machine()})")
-            missing = [f for f in NEEDS if f not in cpu_flags()]
-            if missing:
-                raise RuntimeError(f"CPU lacks {', '.join(missing)}")
-            lib = load_library("head", C_SOURCE, FLAGS)
-            P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.head_bf16.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, I, Fi]
-            lib.head_bf16.restype = Fi
-            _lib = lib
-        except Exception as e:  # noqa: BLE001 - any failure means: use another kernel
-            _reason = f"native head kernel unavailable: {e}"
-            _lib = False
-        return _lib or None
+def _setup(lib) -> None:
+    P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.head_bf16.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, I, Fi]
+    lib.head_bf16.restype = Fi
+
+
+LIB = LazyLibrary("head", C_SOURCE, FLAGS, needs=NEEDS, machines=("x86_64", "amd64"), setup=_setup,
+                  label="native head (AVX512-BF16)")
 
 
 def unavailable() -> str | None:
-    """None when the kernel can run here, else why not (one line)."""
-    return None if _load() is not None else _reason
+    """None when the AVX512-BF16 kernel can run here, else why not (one line)."""
+    return LIB.unavailable()
 
 
 def supports(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str | None:
@@ -240,7 +221,7 @@ def supports(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str 
         return f"{bits}-bit codes"
     if cols % 2 or group % 2:
         return f"odd columns/groups ({cols}/{group}): the kernel reads column pairs"
-    if scale_dtype not in _SKIND:
+    if scale_dtype not in SCALE_KIND:
         return f"{scale_dtype} scales"
     return None
 
@@ -292,11 +273,11 @@ def group_params(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] bf16 @ dequant(W)^T`` -> [M, rows] bf16."""
-    lib = _load()
+    lib = LIB.get()
     x = x.contiguous()
     M = x.shape[0]
     out = torch.empty(M, rows, dtype=torch.bfloat16)
-    lib.head_bf16(w.data_ptr(), s.data_ptr(), _SKIND[s.dtype], None if z is None else z.data_ptr(),
+    lib.head_bf16(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                   bits, rows, cols, group, x.data_ptr(), M, out.data_ptr(), rows,
                   torch.get_num_threads())
     return out

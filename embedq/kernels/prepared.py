@@ -14,10 +14,13 @@ signed zero point (0 when symmetric), ``scale``/``zp`` those of ``c``'s group.
 Paths (``PreparedTable.kind``: the layout), chosen at prepare time by the one dispatch
 table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype and M:
 
-* ``native``     embedq's own C kernel (:mod:`embedq.kernels.native_head`), every scheme on
-  x86-64 CPUs with AVX512-BF16: codes converted to bf16 once per call, exact products,
-  scales after the dot, each weight byte read once per call at every M. The gather reads
-  the same blocked layout. The default on such CPUs; the rows below are its fallbacks.
+* ``native``     embedq's own C kernels over one blocked layout (16-row blocks, column
+  pairs; the gather reads it too), every scheme, each weight byte read once per call at
+  every M; the kernel per CPU variant (the dispatch table's ``isa``, chosen at load from
+  ``build.cpu_flags()``): AVX512-BF16 ``vdpbf16ps`` for bf16 activations
+  (:mod:`embedq.kernels.native_head`), AVX2+FMA and portable C for every activation dtype
+  (:mod:`embedq.kernels.native_f32`). The default wherever a C compiler is found; the
+  rows below are its fallbacks.
 * ``triton``     CUDA with Triton installed (or forced on CPU tensors by
   ``EMBEDQ_SERVE_KERNEL=triton``, for ``TRITON_INTERPRET=1``): the on-disk layout kept
   as is (packed int32, scales, int8 zero points), read by the kernels of
@@ -39,8 +42,8 @@ table (:mod:`embedq.kernels.dispatch`), the kernel per call by activation dtype 
   groups larger than 256 are expressed as groups the op supports (scales repeated).
 * ``chunked``    anything else: the on-disk layout, dequantized a bounded chunk of rows
   at a time (the reference arithmetic), with a one-time warning naming why a better
-  layout was refused. Activations in a dtype a layout's kernel does not take (the
-  native and torch CPU kernels: bf16) run the same chunked arithmetic over that layout.
+  layout was refused. Activations in a dtype a layout's kernel does not take (torch's CPU
+  ops: bf16) run the same chunked arithmetic over that layout.
 
 Memory: the native and Triton layouts hold the overlay's bytes (native: plus rows padded
 to 16); the torch fallbacks int8 the same, int4 its interleaved [groups, rows, 2]
@@ -53,13 +56,15 @@ every 4 activation rows, so their time grows with the batch.
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32, unpack_zero_points
-from embedq.kernels import dispatch, native_head, triton_head
+from embedq.kernels import dispatch, native_f32, native_head, triton_head
 from embedq.kernels.torch_int4 import int4_decode as _int4_decode
 from embedq.kernels.torch_int4 import int4_layout as _int4_layout
 from embedq.kernels.torch_int4 import int4_nibbles as _int4_nibbles
@@ -76,6 +81,36 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         warnings.warn(f"embedq fast path: {msg}", RuntimeWarning, stacklevel=3)
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (which tests and notebooks replace)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+# The one line per load naming the kernel variant (INFO: users silence it with
+# ``logging.getLogger("embedq.kernels").setLevel(logging.WARNING)``).
+log = logging.getLogger("embedq.kernels")
+if not log.handlers:
+    _h = _Stderr()
+    _h.setFormatter(logging.Formatter("embedq: %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.info(msg)
 
 
 def _is_cpu(device: torch.device) -> bool:
@@ -96,6 +131,8 @@ class PreparedTable:
     def __init__(self) -> None:  # use the constructors below
         self.kind = "chunked"
         self.reason: str | None = None
+        self.routes: tuple[dispatch.Route, ...] = dispatch.rows_for("chunked")
+        self.last_kernel: str | None = None  # the kernel the latest linear() ran (tests assert it)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -144,6 +181,7 @@ class PreparedTable:
         if refused:  # a better layout for this device could not hold the table
             _warn_once(f"{'; '.join(refused)}; using {layout}")
         self.kind = layout
+        self.routes = dispatch.rows_for(layout)
         if layout == "chunked":
             self._prepare_chunked(packed, scale, zero_point, "; ".join(refused) or "no kernel")
         elif layout == "native":
@@ -152,9 +190,22 @@ class PreparedTable:
         elif layout == "triton":
             self._prepare_chunked(packed, scale, zero_point, None)
             self.kind = "triton"
+            self.routes = dispatch.rows_for("triton")
         else:
             self._prepare_fast(packed, scale, zero_point)
+        if self.kind != "chunked" and device.type == "cpu":
+            _say_once(f"{self.describe()}: {self.variants()}")
         return self
+
+    def variants(self) -> str:
+        """Which kernel serves which activation dtype, e.g. ``native_avx2 for bf16/f16/f32``."""
+        seen, parts = set(), []
+        for r in self.routes:
+            acts = [a for a in r.acts if a not in seen]
+            seen.update(acts)
+            if acts:
+                parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}")
+        return "; ".join(parts) or "chunked"
 
     def _check(self, layout: str) -> str | None:
         """None when ``layout`` can hold this table here, else why not (the dispatch asks)."""
@@ -164,7 +215,7 @@ class PreparedTable:
         if layout == "native":
             if dev.type != "cpu":
                 return f"device {dev.type}"
-            return native_head.unavailable() or native_head.supports(self.bits, K, g, self.scale_dtype)
+            return dispatch.layout_unavailable("native") or native_head.supports(self.bits, K, g, self.scale_dtype)
         if layout == "triton":
             return triton_head.available(dev) or triton_head.unsupported(self.bits, self.group_size, K)
         if layout in ("int8_row", "int8_group"):
@@ -192,6 +243,7 @@ class PreparedTable:
     def _prepare_chunked(self, packed, scale, zero_point, why: str | None) -> None:
         """The on-disk layout as is (the chunked reference; Triton reads it too)."""
         self.kind = "chunked"
+        self.routes = dispatch.rows_for("chunked")
         self.reason = why
         dev = self.device
         self.packed = packed.to(dev).contiguous()
@@ -279,6 +331,18 @@ class PreparedTable:
         zp = torch.where(sf != 0, -zero.float() / torch.where(sf != 0, sf, torch.ones_like(sf)),
                          torch.zeros_like(sf))
         return torch.round(zp).to(torch.int8)
+
+    def move_(self, fn) -> "PreparedTable":
+        """Apply ``fn`` (a ``Module._apply`` function: a device or dtype move) to the held
+        tensors, in place. Codes and scales keep their dtype (a cast would change the table),
+        except the int4 layout's scale/zero pairs, which live in the activation dtype."""
+        for k, v in list(vars(self).items()):
+            if isinstance(v, torch.Tensor):
+                setattr(self, k, fn(v) if self.kind == "int4_cpu" else fn(v).to(v.dtype))
+        self.device = next(v for v in vars(self).values() if isinstance(v, torch.Tensor)).device
+        if self.kind == "int4_cpu":
+            self.dtype = self.sz.dtype
+        return self
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -405,11 +469,21 @@ class PreparedTable:
 
     __call__ = linear
 
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """The name of the kernel :meth:`linear` runs for activations ``x`` [M, cols]."""
+        r = dispatch.kernel_for(self.routes, x.reshape(-1, self.cols))
+        return "chunked" if r is None else r.kernel
+
     def _linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, dispatch.kernel_for(self.kind, x))(x)
+        name = self.kernel_for(x)
+        self.last_kernel = name
+        return KERNELS[name](self, x)
 
     def _linear_native(self, x: torch.Tensor) -> torch.Tensor:
         return native_head.head(self.w, self.s, self.z, self.bits, self.rows, self.cols, self.group, x)
+
+    def _linear_native_f32(self, variant: str, x: torch.Tensor) -> torch.Tensor:
+        return native_f32.head(variant, self.w, self.s, self.z, self.bits, self.rows, self.cols, self.group, x)
 
     def _linear_triton(self, x: torch.Tensor) -> torch.Tensor:
         out = self._triton_call(triton_head.logits, x)
@@ -427,6 +501,7 @@ class PreparedTable:
             self.reason = f"Triton kernel {fn.__name__} failed on {a.device} ({type(e).__name__}: {e})"
             _warn_once(f"{self.reason}; using chunked dequantization")
             self.kind = "chunked"  # same stored layout: the fallback reads it as is
+            self.routes = dispatch.rows_for("chunked")
             return None
 
     @staticmethod
@@ -478,3 +553,17 @@ class PreparedTable:
             b = min(N, a + step)
             out[:, a:b] = F.linear(x, self.dequantize_range(a, b, dt))
         return out
+
+
+# Kernel names of the dispatch table's rows -> the function running them (one place).
+KERNELS = {
+    "native_bf16": PreparedTable._linear_native,
+    "native_avx2": lambda t, x: t._linear_native_f32("avx2", x),
+    "native_portable": lambda t, x: t._linear_native_f32("portable", x),
+    "triton": PreparedTable._linear_triton,
+    "int8_row": PreparedTable._linear_int8_row,
+    "int8_group": PreparedTable._linear_int8_group,
+    "int4_cpu": PreparedTable._linear_int4_cpu,
+    "chunked": PreparedTable._linear_chunked,
+}
+assert {r.kernel for r in dispatch.ROUTES} <= set(KERNELS), "a dispatch row without a kernel"

@@ -41,8 +41,8 @@ from _harness import REPO
 
 def cpu_layout(bits: int) -> str:
     """The serving layout the dispatch table picks on this CPU (embedq.kernels.dispatch)."""
-    from embedq.kernels import native_head
-    if native_head.unavailable() is None:
+    from embedq.kernels import dispatch
+    if dispatch.layout_unavailable("native") is None:  # a native C variant runs here
         return "native"
     return "int8_row" if bits == 8 else "int4_cpu"
 

@@ -62,8 +62,8 @@ def test_tp2_matches_single_process(builder, tmp_path):
         codes = per_part * table.cols * table.bits // 8
         assert codes < res["prepared_bytes"] <= codes + per_part * (table.cols // 16) * 3
         # 4-bit groups of 16: the native kernel takes them; torch's int4 op does not
-        from embedq.kernels import native_head
-        assert res["prepared_kind"] == ("native" if native_head.unavailable() is None else "chunked")
+        from embedq.kernels import dispatch
+        assert res["prepared_kind"] == ("native" if dispatch.layout_unavailable("native") is None else "chunked")
     assert results[0]["shard"] == (0, 256) and results[1]["shard"] == (256, vocab)
     assert full_zp.shape[0] * 32 // table.bits >= vocab
 

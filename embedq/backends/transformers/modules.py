@@ -94,15 +94,8 @@ class PackedTable(nn.Module):
         # ``model.to(device/dtype)`` moves the prepared tensors too (they are not buffers:
         # their layout is the kernel's, not the overlay's)
         super()._apply(fn, recurse)
-        p = self.prepared
-        if p is not None:
-            for k, v in list(vars(p).items()):
-                if isinstance(v, torch.Tensor):
-                    # codes and scales keep their dtype (a cast would change the table)
-                    setattr(p, k, fn(v) if p.kind == "int4_cpu" else fn(v).to(v.dtype))
-            p.device = next(v for v in vars(p).values() if isinstance(v, torch.Tensor)).device
-            if getattr(p, "sz", None) is not None:
-                p.dtype = p.sz.dtype
+        if self.prepared is not None:
+            self.prepared.move_(fn)
         return self
 
     # -- forward helpers (fast path when prepared, else the reference decoder) ----------

@@ -1,0 +1,465 @@
+/* embedq's fp32-FMA head kernel over the native blocked layout (see native_head.py).
+
+   One source, two builds (native_f32.py):
+     avx2      -O3 -mavx2 -mfma -mf16c  (x86-64-v3: the same code on every such CPU)
+     portable  -O3                      (plain C the compiler vectorizes: SSE2, NEON, ...)
+   The AVX2 build uses the intrinsics below (#if EQ_AVX2); the portable one the plain loops.
+
+   Layout (the ONE prepared table, shared with the gather and the AVX512-BF16 kernel): rows in
+   blocks of 16 (the last padded with zero scales), columns in pairs.
+     int8:  codes [NB][K/2][16][2] signed          4-bit: bytes [NB][K/2][16], low nibble =
+     column 2p, high = 2p+1, offset binary u = q + 8.   scales [NB][G][16] (kind 0 f32,
+     1 bf16, 2 f16); zero points [NB][G][16] int8 or NULL.
+
+   Arithmetic: each weight is decoded once per call to float32 as ((q - z) * s), the very
+   float32 operations of the reference decoder (embedq/format/codec.py: q - z is an exact
+   integer, one rounding of the product), so the decoded weights ARE the reference's; the
+   dot with float32 activations (converted by the caller, exactly, from bf16/f16) then
+   differs from F.linear only in summation order.
+
+   M <= 2 (AVX2): decoded in registers, scale after each group's dot (see direct8/direct4).
+   Blocking (why, M > 2): a super-block of SB x 16 rows x KC columns is decoded once into a float32
+   scratch (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256)
+   and every activation row runs over it in tiles of MR = 6 rows x 16
+   table rows (12 accumulators + 2 weights + 1 broadcast = 15 of 16 ymm registers: the
+   classic sgemm microkernel). Each weight byte is read and decoded once per call at every
+   M; the activations are re-read once per super-block (1/64 of the FMA work). */
+
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <pthread.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define EQ_AVX2 1
+#else
+#define EQ_AVX2 0
+#endif
+
+enum { RB = 16, SB = 4, KC = 256, MR = 6 };
+
+typedef struct {
+    const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
+    void* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind, okind;
+} job_t;
+
+/* ---- scalar conversions (exact, round-to-nearest-even: the same results as torch) ---- */
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff, u;
+    if (e == 0) { float f = (float)m * (1.0f / 16777216.0f); memcpy(&u, &f, 4); u |= s; } /* m * 2^-24 */
+    else if (e == 31) u = s | 0x7f800000u | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x; memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000); x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);
+    if (x >= 0x477ff000u) return sign | 0x7c00;          /* rounds to >= 65536: inf */
+    if (x < 0x38800000u) {                                /* |f| < 2^-14: subnormal half */
+        float a; memcpy(&a, &x, 4);
+        volatile float t = a * 16777216.0f + 12582912.0f; /* RNE to an integer (< 2^10) */
+        return sign | (uint16_t)(int)(t - 12582912.0f);
+    }
+    return sign | (uint16_t)((x - 0x38000000u + 0xfffu + ((x >> 13) & 1)) >> 13);
+}
+
+static inline float scale_at(const void* s, int kind, int64_t i) {
+    if (kind == 0) return ((const float*)s)[i];
+    uint16_t h = ((const uint16_t*)s)[i];
+    return kind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* The 16 rows' scale and offset of group gi of block nb; 4-bit folds the +8 of offset
+   binary into the offset: q - z = u - (8 + z), exact. */
+static inline void group_params(const job_t* j, int64_t nb, int64_t gi, float* sc, float* zc) {
+    const int64_t i0 = (nb * j->G + gi) * RB;
+    const float off = j->bits == 4 ? 8.0f : 0.0f;
+    for (int r = 0; r < RB; r++) {
+        sc[r] = scale_at(j->s, j->skind, i0 + r);
+        zc[r] = off + (j->z ? (float)j->z[i0 + r] : 0.0f);
+    }
+}
+
+/* Decode column pairs [p0, p1) of block nb into dst [2 (p1 - p0)][16] float32. */
+static void decode(const job_t* j, int64_t nb, int64_t p0, int64_t p1, float* restrict dst) {
+    const int64_t KP = j->K / 2, PG = j->g / 2;
+    float sc[RB], zc[RB];
+    for (int64_t p = p0; p < p1;) {
+        const int64_t gi = p / PG, pe = (gi + 1) * PG < p1 ? (gi + 1) * PG : p1;
+        group_params(j, nb, gi, sc, zc);
+#if EQ_AVX2
+        const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+        const __m256 z0 = _mm256_loadu_ps(zc), z1 = _mm256_loadu_ps(zc + 8);
+        if (j->bits == 8) {
+            /* per 128-bit lane: [r0c0 r0c1 .. r7c0 r7c1] -> [r0..r7 c0 | r0..r7 c1] */
+            const __m256i sh = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            for (; p < pe; p++) {
+                __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(j->w + (nb * KP + p) * 32)), sh);
+                __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+                float* d = dst + (p - p0) * 32;
+                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), z0), s0));
+                _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), z1), s1));
+                _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), z0), s0));
+                _mm256_storeu_ps(d + 24, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), z1), s1));
+            }
+        } else {
+            const __m128i m4 = _mm_set1_epi8(0x0f);
+            for (; p < pe; p++) {
+                __m128i b = _mm_loadu_si128((const __m128i*)(j->w + (nb * KP + p) * 16));
+                __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                float* d = dst + (p - p0) * 32;
+                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), z0), s0));
+                _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), z1), s1));
+                _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), z0), s0));
+                _mm256_storeu_ps(d + 24, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), z1), s1));
+            }
+        }
+#else
+        for (; p < pe; p++) {
+            float* restrict d = dst + (p - p0) * 32;
+            if (j->bits == 8) {
+                const int8_t* q = (const int8_t*)j->w + (nb * KP + p) * 32;
+                for (int r = 0; r < RB; r++) {
+                    d[r] = ((float)q[2 * r] - zc[r]) * sc[r];
+                    d[RB + r] = ((float)q[2 * r + 1] - zc[r]) * sc[r];
+                }
+            } else {
+                const uint8_t* b = j->w + (nb * KP + p) * 16;
+                for (int r = 0; r < RB; r++) {
+                    d[r] = ((float)(b[r] & 15) - zc[r]) * sc[r];
+                    d[RB + r] = ((float)(b[r] >> 4) - zc[r]) * sc[r];
+                }
+            }
+        }
+#endif
+    }
+}
+
+/* acc[nm][16] (row stride lda) (+)= x[nm][kc] (row stride ldx) . w[kc][16].
+   nm <= 2 keeps NS independent accumulator sets over interleaved k (FMA latency:
+   2 x nm x NS chains in flight). */
+static inline __attribute__((always_inline)) void micro(const int nm, const float* restrict w, int64_t kc,
+        const float* restrict x, int64_t ldx, float* restrict acc, int64_t lda, int first) {
+    enum { NS = 4 };
+    const int ns = nm == 1 ? 4 : nm == 2 ? 2 : 1;
+#if EQ_AVX2
+    __m256 a[NS][MR][2];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nm; i++) {
+            a[s][i][0] = s || first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * lda);
+            a[s][i][1] = s || first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * lda + 8);
+        }
+    int64_t k = 0;
+    for (; k + ns <= kc; k += ns)
+        for (int s = 0; s < ns; s++) {
+            const __m256 w0 = _mm256_loadu_ps(w + (k + s) * RB), w1 = _mm256_loadu_ps(w + (k + s) * RB + 8);
+            for (int i = 0; i < nm; i++) {
+                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + s);
+                a[s][i][0] = _mm256_fmadd_ps(xb, w0, a[s][i][0]);
+                a[s][i][1] = _mm256_fmadd_ps(xb, w1, a[s][i][1]);
+            }
+        }
+    for (; k < kc; k++) {
+        const __m256 w0 = _mm256_loadu_ps(w + k * RB), w1 = _mm256_loadu_ps(w + k * RB + 8);
+        for (int i = 0; i < nm; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            a[0][i][0] = _mm256_fmadd_ps(xb, w0, a[0][i][0]);
+            a[0][i][1] = _mm256_fmadd_ps(xb, w1, a[0][i][1]);
+        }
+    }
+    for (int i = 0; i < nm; i++) {
+        __m256 t0 = a[0][i][0], t1 = a[0][i][1];
+        for (int s = 1; s < ns; s++) { t0 = _mm256_add_ps(t0, a[s][i][0]); t1 = _mm256_add_ps(t1, a[s][i][1]); }
+        _mm256_storeu_ps(acc + i * lda, t0);
+        _mm256_storeu_ps(acc + i * lda + 8, t1);
+    }
+#else
+    float a[NS][MR][RB];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nm; i++)
+            for (int r = 0; r < RB; r++) a[s][i][r] = s || first ? 0.0f : acc[i * lda + r];
+    int64_t k = 0;
+    for (; k + ns <= kc; k += ns)
+        for (int s = 0; s < ns; s++)
+            for (int i = 0; i < nm; i++) {
+                const float xv = x[i * ldx + k + s];
+                for (int r = 0; r < RB; r++) a[s][i][r] += xv * w[(k + s) * RB + r];
+            }
+    for (; k < kc; k++)
+        for (int i = 0; i < nm; i++) {
+            const float xv = x[i * ldx + k];
+            for (int r = 0; r < RB; r++) a[0][i][r] += xv * w[k * RB + r];
+        }
+    for (int i = 0; i < nm; i++)
+        for (int r = 0; r < RB; r++) {
+            float t = a[0][i][r];
+            for (int s = 1; s < ns; s++) t += a[s][i][r];
+            acc[i * lda + r] = t;
+        }
+#endif
+}
+
+#define C(n) case n: micro(n, w, kc, x, ldx, acc, lda, first); break;
+static void micro_any(int nm, const float* w, int64_t kc, const float* x, int64_t ldx, float* acc,
+                      int64_t lda, int first) {
+    switch (nm) { C(1) C(2) C(3) C(4) C(5) C(6) }
+}
+#undef C
+
+/* nr (<= 16) float32 results -> out in its dtype (0 f32, 1 bf16, 2 f16). */
+static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
+#if EQ_AVX2
+    if (nr == RB && okind != 0) {
+        __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8);
+        uint16_t* o = (uint16_t*)out + i;
+        if (okind == 2) {
+            _mm_storeu_si128((__m128i*)o, _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i*)(o + 8), _mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            return;
+        }
+        /* bf16: round to nearest even on the bits; NaN stays a quiet NaN */
+        for (int h = 0; h < 2; h++) {
+            __m256 v = h ? v1 : v0;
+            __m256i u = _mm256_castps_si256(v);
+            __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+            __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+            _mm_storeu_si128((__m128i*)(o + 8 * h),
+                             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+        }
+        return;
+    }
+#endif
+    if (okind == 0) { memcpy((float*)out + i, a, nr * sizeof(float)); return; }
+    uint16_t* o = (uint16_t*)out + i;
+    for (int r = 0; r < nr; r++) o[r] = okind == 1 ? f32_to_bf16(a[r]) : f32_to_f16(a[r]);
+}
+
+#if EQ_AVX2
+/* ---- M <= 2 (decode-bound: the common decode batch): codes decoded in registers ----
+   No scratch round trip: each code is widened and converted once and used by the nm rows
+   right away; the group's scale is applied after its dot and asymmetric rows subtract
+   z * sum(x_group) first (x . ((q - z) s) = s (x . q - z sum x): the reference value up to
+   float32 rounding, within the summation-order bound). */
+enum { DIRECT_M = 2 };
+
+static inline void scales16(const job_t* j, int64_t i0, __m256* s0, __m256* s1) {
+    if (j->skind == 0) { *s0 = _mm256_loadu_ps((const float*)j->s + i0); *s1 = _mm256_loadu_ps((const float*)j->s + i0 + 8); return; }
+    __m128i a = _mm_loadu_si128((const __m128i*)((const uint16_t*)j->s + i0));
+    __m128i b = _mm_loadu_si128((const __m128i*)((const uint16_t*)j->s + i0 + 8));
+    if (j->skind == 2) { *s0 = _mm256_cvtph_ps(a); *s1 = _mm256_cvtph_ps(b); return; }
+    *s0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+    *s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+/* int8: the stored pairs [r c0, r c1] stay interleaved in the lanes (vpmovsxbd straight
+   from memory, no shuffle) and meet a broadcast (x[2p], x[2p+1]); a horizontal add per
+   group folds the column parity. acc[i][q]: rows 4q..4q+3, both parities. */
+static inline __attribute__((always_inline)) void direct8(const int nm, const job_t* j, int64_t nb,
+        const float* xs, float* o /* [nm][16] */) {
+    const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, K = j->K;
+    const int8_t* wq = (const int8_t*)j->w + nb * KP * 32;
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 acc[2][4];
+        for (int i = 0; i < 2; i++) for (int q = 0; q < 4; q++) acc[i][q] = _mm256_setzero_ps();
+        /* one row (nm == 1): even and odd pairs into two accumulator sets, 8 FMA chains
+           (one set leaves 4, and FMA latency would bound the loop) */
+#define PAIR8(P, I, A) do {                                                                       \
+            const int8_t* c = wq + (P) * 32;                                                      \
+            const __m256 xd = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + (I) * K + 2 * (P)))); \
+            for (int q = 0; q < 4; q++)                                                           \
+                A[q] = _mm256_fmadd_ps(xd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(               \
+                           _mm_loadl_epi64((const __m128i*)(c + 8 * q)))), A[q]);                 \
+        } while (0)
+        int64_t p = gi * PG;
+        const int64_t pe = (gi + 1) * PG;
+        if (nm == 1)
+            for (; p + 1 < pe; p += 2) { PAIR8(p, 0, acc[0]); PAIR8(p + 1, 0, acc[1]); }
+        for (; p < pe; p++) {
+            if (nm == 1) { PAIR8(p, 0, acc[0]); continue; }
+            /* two rows: each decoded code serves both (decode once, 8 chains) */
+            const int8_t* c = wq + p * 32;
+            const __m256 x0 = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + 2 * p)));
+            const __m256 x1 = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(j->x + K + 2 * p)));
+            for (int q = 0; q < 4; q++) {
+                __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * q))));
+                acc[0][q] = _mm256_fmadd_ps(x0, w, acc[0][q]);
+                acc[1][q] = _mm256_fmadd_ps(x1, w, acc[1][q]);
+            }
+        }
+#undef PAIR8
+        if (nm == 1)
+            for (int q = 0; q < 4; q++) acc[0][q] = _mm256_add_ps(acc[0][q], acc[1][q]);
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++) {
+            /* hadd: rows [0 1 4 5 | 2 3 6 7] -> permute to 0..7 */
+            __m256 t0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][0], acc[i][1])), 0xD8));
+            __m256 t1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][2], acc[i][3])), 0xD8));
+            if (j->z) {
+                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
+                const int8_t* zz = j->z + (nb * G + gi) * RB;
+                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+            }
+            float* oi = o + i * RB;
+            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
+            else {
+                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
+                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
+            }
+        }
+    }
+}
+
+/* 4-bit: low nibbles = column 2p of the 16 rows, high = 2p+1; q = u - 8 in int8 (exact)
+   before the conversion, so the dot is x . q as in the reference (no 8 * sum(x) to cancel).
+   acc[i][c][h]: column parity c, rows 8h..8h+7. */
+static inline __attribute__((always_inline)) void direct4(const int nm, const job_t* j, int64_t nb,
+        const float* xs, float* o) {
+    const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, K = j->K;
+    const uint8_t* wb = j->w + nb * KP * 16;
+    const __m128i m4 = _mm_set1_epi8(0x0f), e8 = _mm_set1_epi8(8);
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 acc[2][2][2];
+        for (int i = 0; i < 2; i++) for (int c = 0; c < 2; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+        /* nm == 1: even/odd pairs into acc[0] / acc[1] (8 FMA chains, as in direct8) */
+#define PAIR4(P, NM, A0) do {                                                                     \
+            __m128i b = _mm_loadu_si128((const __m128i*)(wb + (P) * 16));                         \
+            __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), e8);                                  \
+            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), e8);               \
+            __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));                            \
+            __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));         \
+            __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));                            \
+            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));         \
+            for (int i = 0; i < (NM); i++) {                                                      \
+                const __m256 x0 = _mm256_broadcast_ss(j->x + i * K + 2 * (P));                    \
+                const __m256 x1 = _mm256_broadcast_ss(j->x + i * K + 2 * (P) + 1);                \
+                acc[(A0) + i][0][0] = _mm256_fmadd_ps(x0, w00, acc[(A0) + i][0][0]);              \
+                acc[(A0) + i][0][1] = _mm256_fmadd_ps(x0, w01, acc[(A0) + i][0][1]);              \
+                acc[(A0) + i][1][0] = _mm256_fmadd_ps(x1, w10, acc[(A0) + i][1][0]);              \
+                acc[(A0) + i][1][1] = _mm256_fmadd_ps(x1, w11, acc[(A0) + i][1][1]);              \
+            }                                                                                     \
+        } while (0)
+        int64_t p = gi * PG;
+        const int64_t pe = (gi + 1) * PG;
+        if (nm == 1)
+            for (; p + 1 < pe; p += 2) { PAIR4(p, 1, 0); PAIR4(p + 1, 1, 1); }
+        for (; p < pe; p++) PAIR4(p, nm, 0);
+#undef PAIR4
+        if (nm == 1)
+            for (int c = 0; c < 2; c++) for (int h = 0; h < 2; h++) acc[0][c][h] = _mm256_add_ps(acc[0][c][h], acc[1][c][h]);
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++) {
+            __m256 t0 = _mm256_add_ps(acc[i][0][0], acc[i][1][0]), t1 = _mm256_add_ps(acc[i][0][1], acc[i][1][1]);
+            if (j->z) {
+                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
+                const int8_t* zz = j->z + (nb * G + gi) * RB;
+                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+            }
+            float* oi = o + i * RB;
+            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
+            else {
+                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
+                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
+            }
+        }
+    }
+}
+
+static void run_direct(const job_t* j, const float* xs) {
+    float o[DIRECT_M * RB];
+    for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
+        if (j->bits == 8) { if (j->M == 1) direct8(1, j, nb, xs, o); else direct8(2, j, nb, xs, o); }
+        else { if (j->M == 1) direct4(1, j, nb, xs, o); else direct4(2, j, nb, xs, o); }
+        const int64_t r0 = nb * RB;
+        const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
+        for (int64_t m = 0; m < j->M; m++) store_row(o + m * RB, j->out, j->okind, m * j->ldo + r0, nr);
+    }
+}
+#endif
+
+static void* run(void* arg) {
+    job_t* j = (job_t*)arg;
+    const int64_t M = j->M, K = j->K, LDA = SB * RB;
+#if EQ_AVX2
+    if (M <= DIRECT_M) { run_direct(j, j->xs); return NULL; }
+#endif
+    float* scratch = malloc(sizeof(float) * SB * KC * RB);
+    float* acc = malloc(sizeof(float) * M * LDA);
+    if (!scratch || !acc) { free(scratch); free(acc); return (void*)1; }
+    for (int64_t s0 = j->nb0; s0 < j->nb1; s0 += SB) {
+        const int nbk = j->nb1 - s0 < SB ? (int)(j->nb1 - s0) : SB;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;  /* even: K is */
+            for (int b = 0; b < nbk; b++) decode(j, s0 + b, k0 / 2, (k0 + kc) / 2, scratch + b * KC * RB);
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int nm = M - m0 < MR ? (int)(M - m0) : MR;
+                for (int b = 0; b < nbk; b++)
+                    micro_any(nm, scratch + b * KC * RB, kc, j->x + m0 * K + k0, K, acc + m0 * LDA + b * RB,
+                              LDA, k0 == 0);
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int b = 0; b < nbk; b++) {
+                const int64_t r0 = (s0 + b) * RB;
+                const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
+                store_row(acc + m * LDA + b * RB, j->out, j->okind, m * j->ldo + r0, nr);
+            }
+    }
+    free(scratch); free(acc);
+    return NULL;
+}
+
+/* logits[M, V] (dtype okind, row stride ldo) = x[M, K] (float32) @ dequant(W)^T. 0 on success. */
+int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
+             int64_t g, const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+    const int64_t NB = (V + RB - 1) / RB;
+    if (K % 2 || g % 2 || K % g) return 2;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
+    if (nthreads > 64) nthreads = 64;
+    float* xs = NULL;  /* per-group sums of x: the zero-point term of the M <= 2 path */
+    if (z && M <= 2) {
+        xs = malloc(sizeof(float) * M * (K / g));
+        if (!xs) return 1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < K / g; gi++) {
+                float a = 0;
+                for (int64_t k = 0; k < g; k++) a += x[m * K + gi * g + k];
+                xs[m * (K / g) + gi] = a;
+            }
+    }
+    job_t jobs[64]; pthread_t th[64]; int started[64] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        /* whole super-blocks per thread */
+        int64_t nsb = (NB + SB - 1) / SB, a = nsb * t / nthreads * SB, b = nsb * (t + 1) / nthreads * SB;
+        job_t jj = {w, s, z, x, xs, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind};
+        jobs[t] = jj;
+    }
+    int rc = 0;
+    for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
+    rc |= run(&jobs[0]) != NULL;
+    for (int t = 1; t < nthreads; t++) {
+        void* r = NULL;
+        if (started[t]) pthread_join(th[t], &r); else r = run(&jobs[t]);
+        rc |= r != NULL;
+    }
+    free(xs);
+    return rc;
+}

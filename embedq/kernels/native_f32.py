@@ -1,0 +1,67 @@
+"""embedq's fp32-FMA head kernels over the native blocked layout, for every CPU.
+
+The same layout as :mod:`embedq.kernels.native_head` (one table: the gather and the
+AVX512-BF16 kernel read it too); arithmetic and blocking are described in
+``native_f32.c``: each weight is decoded once per call to exactly the reference decoder's
+float32 value ``(q - z) * s``, activations are converted once per call to float32
+(exact from bf16/f16), the dot accumulates in float32; only the summation order differs
+from ``F.linear(x, dequant(W))``. Output in the activation dtype.
+
+Two builds of one source (:data:`VARIANTS`):
+
+* ``avx2``:     ``-mavx2 -mfma -mf16c`` (x86-64-v3), explicit flags rather than
+  ``-march=native`` so every such CPU runs the same, tested code;
+* ``portable``: plain ``-O3`` C that the compiler vectorizes (SSE2 on x86-64, NEON on
+  aarch64): any CPU with a C compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from embedq.kernels.build import SCALE_KIND, LazyLibrary
+
+SOURCE = Path(__file__).with_name("native_f32.c")
+_COMMON = ["-O3", "-shared", "-fPIC", "-pthread", "-std=gnu11"]
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _setup(lib) -> None:
+    P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.head_f32.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, Fi, I, Fi]
+    lib.head_f32.restype = Fi
+
+
+def _source() -> str:
+    return SOURCE.read_text()
+
+
+VARIANTS: dict[str, LazyLibrary] = {
+    "avx2": LazyLibrary("head_avx2", _source, [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
+                        needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup,
+                        label="native head (AVX2+FMA)"),
+    "portable": LazyLibrary("head_portable", _source, _COMMON, setup=_setup, label="native head (portable C)"),
+}
+
+
+def head(variant: str, w, s, z, bits: int, rows: int, cols: int, group: int,
+         x: torch.Tensor) -> torch.Tensor:
+    """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32)."""
+    lib = VARIANTS[variant].get()
+    if lib is None:
+        raise RuntimeError(VARIANTS[variant].unavailable())
+    xf = x.to(torch.float32).contiguous()  # exact from bf16 / f16: once per call
+    M = xf.shape[0]
+    out = torch.empty(M, rows, dtype=x.dtype)
+    rc = lib.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
+                      bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
+                      torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"{variant} head kernel failed ({rc}: out of memory or bad shape)")
+    return out
+
+
+__all__ = ["SOURCE", "VARIANTS", "head"]

@@ -1,0 +1,118 @@
+"""Every CPU variant of the native kernels this CPU can run, against the reference decoder.
+
+Variants are selected as users' CPUs would select them: ``EMBEDQ_CPU_FEATURES`` takes
+features away before the table is prepared (``-avx512_bf16``: the AVX2 build;
+``none``: the portable C build), and the test asserts which kernel ran (no silent
+fallback to the chunked reference). A variant the hardware cannot run is skipped with the
+feature it lacks; the AVX512-BF16 kernel's own cases are in ``test_fastpath.py``.
+
+Bound (derived as in ``test_fastpath.py``, checked by its ``_check_linear``): the AVX2 and
+portable kernels decode each weight to the reference's own float32 ``(q - z) * s`` (M > 2)
+or apply ``s`` and ``z * sum(x)`` after a float32 dot (AVX2, M <= 2); activations are
+converted to float32 exactly. Against ``F.linear(x, W.to(x.dtype))`` the error per output
+is then at most the reference's weight rounding to the activation dtype (u*A), the two
+output roundings (2u*A), and float32 summation in another order (K * 2^-24 * A, the
+zero-point term's and the scale's roundings included: each is one 2^-24 relative rounding
+of a partial sum bounded by A), A = |x| @ ((|q| + |z|) * |s|)^T.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from embedq.format.codec import QuantizedTable
+from embedq.format.scheme import Scheme
+from embedq.kernels import PreparedTable, dispatch
+from embedq.kernels import prepared as fastpath
+from embedq.quant.rtn import quantize_rtn
+from tests.perf.test_fastpath import _check_linear, _wabs
+
+BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+# variant -> the EMBEDQ_CPU_FEATURES that selects it on a CPU that has it
+SELECT = {"avx2": "-avx512_bf16", "portable": "none"}
+
+# (bits, group, sym, rows, cols): vocab never a multiple of the 16-row block (nor of the
+# 8-block super-block), odd group counts (3 groups), per-row and every group size
+SCHEMES = [(b, g, s, r, c) for (b, s), (g, r, c) in itertools.product(
+    itertools.product((8, 4), (True, False)),
+    [(None, 1001, 192), (32, 1001, 96), (64, 777, 192), (128, 531, 384)])]
+MS = (1, 2, 3, 8, 17, 64)
+# every scheme with bf16 scales; f16 / f32 scales (their own decode paths) on a subset
+CASES = [(sd, *c) for c in SCHEMES for sd in (BF,)] + [
+    (sd, *c) for c in SCHEMES if c[2] is False and c[1] in (None, 32) for sd in (F16, F32)]
+
+
+def _table(bits, group, sym, rows, cols, scale_dtype, seed=0) -> QuantizedTable:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))
+    w[0] = 0
+    w[1] = torch.rand(cols, generator=gen) + 2  # positive only: zero point at qmin
+    q, s, zp = quantize_rtn(w, Scheme(bits=bits, symmetric=sym, group_size=group), scale_dtype)
+    return QuantizedTable.from_codes(q, s, zp, bits, group)
+
+
+def _select(variant: str, monkeypatch) -> None:
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT[variant])
+    why = dispatch.isa_unavailable(variant)
+    if why is not None:
+        pytest.skip(why)
+    assert dispatch.rows_for("native")[0].isa == variant  # the first row left is this variant
+
+
+@pytest.mark.parametrize("variant", sorted(SELECT))
+@pytest.mark.parametrize("scale_dtype,bits,group,sym,rows,cols", CASES,
+                         ids=[f"int{b}-{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}-"
+                              f"s_{str(sd)[6:]}" for sd, b, g, s, r, c in CASES])
+def test_variant_matches_reference(variant, scale_dtype, bits, group, sym, rows, cols, monkeypatch):
+    _select(variant, monkeypatch)
+    qt = _table(bits, group, sym, rows, cols, scale_dtype)
+    p = PreparedTable.from_table(qt)
+    assert p.kind == "native", p.describe()
+    wabs = _wabs(qt)
+    gen = torch.Generator().manual_seed(cols)
+    for m, dt in itertools.product(MS, (BF, F16, F32)):
+        x = torch.randn(m, cols, generator=gen).to(dt)
+        _check_linear(p, qt, x, wabs)
+        assert p.last_kernel == f"native_{variant}", (p.last_kernel, m, dt)
+    # gather from the same buffer: bit-exact
+    ids = torch.tensor([0, 1, rows - 1, 17, rows // 2])
+    for dt in (BF, F16, F32):
+        assert torch.equal(p.embedding(ids, dt), qt.dequantize(dt, rows=ids))
+
+
+@pytest.mark.parametrize("variant", sorted(SELECT))
+def test_variant_large_batch(variant, monkeypatch):
+    """M = 256 (every micro-tile and super-block remainder) and a table past one KC chunk."""
+    _select(variant, monkeypatch)
+    qt = _table(4, 64, False, 2000, 320, BF)
+    p = PreparedTable.from_table(qt)
+    x = torch.randn(256, 320, generator=torch.Generator().manual_seed(5))
+    for dt in (F32, BF):
+        _check_linear(p, qt, x.to(dt), _wabs(qt))
+        assert p.last_kernel == f"native_{variant}"
+
+
+def test_one_info_line_names_the_variant(monkeypatch, capsys):
+    """One line per load (not a warning) says which kernel serves which activation dtype."""
+    if dispatch.layout_unavailable("native"):
+        pytest.skip(dispatch.layout_unavailable("native"))
+    fastpath._said.clear()
+    qt = _table(8, 32, True, 300, 96, BF)
+    PreparedTable.from_table(qt)
+    PreparedTable.from_table(qt)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("embedq: ") and "native_" in err[0], err
+    assert "warning" not in err[0].lower()
+
+
+def test_cpu_features_override_picks_the_route(monkeypatch):
+    """The route follows the features left: none -> portable; a CPU's own -> its best."""
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", "none")
+    if dispatch.isa_unavailable("portable"):
+        pytest.skip(dispatch.isa_unavailable("portable"))
+    assert [r.isa for r in dispatch.rows_for("native")] == ["portable"]
+    assert "CPU lacks avx2" in dispatch.isa_unavailable("avx2") or "not x86" in dispatch.isa_unavailable("avx2")
