@@ -22,6 +22,7 @@ from embedq.format.digest import DIGEST, new_hasher
 from embedq.format.dtypes import DTYPE_NAMES, ST_TO_TORCH, dtype_from_name
 from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
+from embedq.jobs import testpoint
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
 from embedq.quant.kernels import has_cached_kernel, native_ready
@@ -210,6 +211,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
             with stage("finite check (suspect chunk only)"):
                 check_finite(x, r0, where)
         stats.add(*st, x.numel())
+        testpoint.reached("stream")
         if bar is not None:
             bar.update(x.shape[0])
         if zp is None:
