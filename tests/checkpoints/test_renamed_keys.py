@@ -56,12 +56,9 @@ def test_renamed_architecture_roundtrip(key, tmp_path):
     if key in KNOWN:
         pytest.xfail(KNOWN[key])
     embedq.quantize(path, bits=8, lm_head=not tied, progress=False)
-    try:
-        model = embedq.load(path)
-    except Exception as e:
-        if "not supported" in str(e) or "requires" in str(e):
-            pytest.skip(f"{cls_name}: transformers cannot load it here ({str(e)[:120]})")
-        raise
+    # No skip from here on: embedq's own errors say "not supported" too. (No architecture
+    # enumerated by transformers 5.24 fails to load here; a new one that does fails the test.)
+    model = embedq.load(path)
     emb = model.get_input_embeddings()
     assert isinstance(emb, QuantizedEmbedding)
     ov = embedq.load_overlay(path)
