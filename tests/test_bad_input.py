@@ -224,15 +224,33 @@ def test_killed_midway_leaves_source_intact_and_no_valid_overlay(model_factory, 
     assert snapshot(path) == before
 
 
-@pytest.mark.parametrize("output", [False, True])
-def test_ctrl_c_midway_cleans_up(model_factory, output):
+def _default_sigint():
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the child gets the disposition a foreground run has.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("output,point", [(False, "stream"), (False, "committing"),
+                                          (True, "stream"), (True, "derived-staged")])
+def test_ctrl_c_midway_cleans_up(model_factory, output, point):
+    """Ctrl-C at a named stage of the job (embedq.jobs.testpoint), not after a count of
+    writes: the same stage is hit on every machine and under any load."""
     path = model_factory("llama_untied_sharded")
     before = snapshot(path)
     extra = ["--output", str(path.parent / "out")] if output else []
-    r = _quantize_subprocess(path, {"EMBEDQ_TEST_KILL_AFTER_WRITES": "3", "EMBEDQ_TEST_KILL_SIGNAL": "INT"},
-                             "--lm-head", "--chunk-rows", "128", *extra)
+    env = {**os.environ, "EMBEDQ_TEST_SIGINT_AT": point}
+    r = subprocess.run([sys.executable, "-m", "embedq.cli", "quantize", str(path), "-q", "--lm-head",
+                        "--chunk-rows", "128", *extra], env=env, capture_output=True, text=True,
+                       timeout=300, preexec_fn=_default_sigint)
     assert r.returncode == 130, r.stderr
     assert "source checkpoint is unchanged" in r.stderr
     assert snapshot(path) == before  # not even a temporary file left
     assert not (path.parent / "out").exists()
     assert not list(path.parent.glob(".*partial*"))
+
+
+def test_testpoint_refuses_an_unknown_point(monkeypatch):
+    from embedq.jobs import testpoint
+    monkeypatch.setenv(testpoint.ENV, "strem")  # a typo must not make the Ctrl-C tests vacuous
+    with pytest.raises(RuntimeError, match="points are"):
+        testpoint.reached("stream")

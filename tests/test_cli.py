@@ -58,4 +58,5 @@ def test_demo(tmp_path):
     r = runner.invoke(app, ["demo", "--dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert "model.embed_tokens (= lm_head)" in r.stdout and "32768x256" in r.stdout
-    assert "int8 g64 sym" in r.stdout and "warning: int8" not in r.output  # no warning about the default
+    assert "int8 g64 sym" in r.stdout and "warning:" not in r.output  # no warning about the default
+    assert r.stdout.rstrip().splitlines()[-1] == f"demo checkpoint (kept, with its overlay): {tmp_path / 'demo-model'}"

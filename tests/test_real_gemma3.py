@@ -15,18 +15,20 @@ from embedq.format.reader import load_overlay
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_gemma3_270m_tied_table(gemma3_copy, bits):
+# (bits, --group-size, scales per row): the two defaults (g64, g32) and int8 per row, the
+# README's size table (printed with -s)
+@pytest.mark.parametrize("bits,group,scales", [(8, None, 10), (8, 0, 1), (4, None, 20)])
+def test_gemma3_270m_tied_table(gemma3_copy, bits, group, scales):
     path = gemma3_copy
     before = snapshot(path)
-    rep = embedq.quantize(path, bits=bits, progress=False)
+    rep = embedq.quantize(path, bits=bits, group_size=group, progress=False)
     m = rep.modules[0]
     assert rep.tied and m.module == "model.embed_tokens" and m.aliases == ["lm_head"]
     assert m.shape == [262144, 640]
     assert m.bytes_before == 262144 * 640 * 2
-    expected = 262144 * 640 * bits // 8 + 262144 * (10 if bits == 8 else 20) * 2 + 16  # g64 / g32
+    expected = 262144 * 640 * bits // 8 + 262144 * scales * 2 + 16
     assert m.bytes_after == expected == (path / "embedq.safetensors").stat().st_size - _header(path)
-    print(f"\nGemma 3 270M int{bits}: {m.bytes_before / 1e6:.1f} MB -> {m.bytes_after / 1e6:.1f} MB, "
+    print(f"\nGemma 3 270M {m.scheme}: {m.bytes_before / 1e6:.1f} MB -> {m.bytes_after / 1e6:.1f} MB, "
           f"saved {rep.bytes_saved / 1e6:.1f} MB, max err {m.max_abs_error:.3g}")
     # spot-check rows against the float table
     t = load_overlay(path).tables["model.embed_tokens"]

@@ -114,7 +114,9 @@ def demo(
 ) -> None:
     """Build a small real transformers checkpoint locally, quantize it, print the table."""
     from embedq.cli.demo import run_demo
-    typer.echo(run(run_demo, workdir, bits).table())
+    report = run(run_demo, workdir, bits)
+    typer.echo(report.table())
+    typer.echo(f"demo checkpoint (kept, with its overlay): {report.path}")  # where it is, not a warning
 
 
 # Verbs of the back ends and the publishing / quality layers, each registering its commands

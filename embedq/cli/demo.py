@@ -30,5 +30,4 @@ def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
         build_demo_model(model)
     report = quantize_checkpoint(model, QuantizeRecipe.from_options(bits, force=True))
     verify_overlay(model)
-    report.warnings.append(f"demo checkpoint: {model}")
     return report

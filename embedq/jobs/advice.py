@@ -1,37 +1,30 @@
 """What ``embedq quantize`` says about a scheme: measured losses of Gemma 3 270M.
 
-The numbers come from ``python scripts/eval_defaults.py`` (docs/methods.md) and
-``python scripts/eval_gemma3.py --all`` (docs/quality.md); :mod:`embedq.quality.evaluate`
-re-exports them.
+The numbers are data (``measured_gemma3_270m.json`` beside this module), written by
+``python scripts/eval_gemma3.py --all --update-advice`` (docs/quality.md);
+:mod:`embedq.quality.evaluate` re-exports them. A scheme with no measured row gets no
+numbers in its warning.
 """
 
 from __future__ import annotations
 
+import json
+from importlib.resources import files
+
 from embedq.format.scheme import DEFAULT_GROUP
 
 # Measured on the real Gemma 3 270M (tied, 262144 x 640 bf16) against the float32 model,
-# 12 contexts x 128 tokens of pydoc_data/topics.py, BOS first, scales in the source dtype
-# (bf16), plain RTN: ``python scripts/eval_gemma3.py --all`` (docs/quality.md) and, for the
-# per-row, g128, g64 and Q4 g32 rows and FLOOR, ``python scripts/eval_defaults.py``
-# (docs/methods.md, "The defaults"; it reproduces the former's numbers). 4-bit sym rows
-# marked absmax/7 were measured before the signed-max mapping (the default since issue 22).
-# Key: (bits, group size, symmetric, head), head = "shared", "float" (gather only, head kept
-# bf16) or "int8" (the head has its own int8 per-row table). Value: (mean KLD, same-top-1 %, overlay MB).
+# 12 contexts x 128 tokens of pydoc_data/topics.py, BOS first, bf16 scales, plain RTN, as
+# ``python scripts/eval_gemma3.py --all --update-advice`` writes measured_gemma3_270m.json
+# (each row says which run measured it). Key: (bits, group size, symmetric, head), head =
+# "shared", "float" (gather only, head kept bf16) or "int8" (``--head-bits 8``).
+# Value: (mean KLD, same-top-1 %, overlay MB).
+_DATA = json.loads(files("embedq.jobs").joinpath("measured_gemma3_270m.json").read_text())
 MEASURED_GEMMA3_270M: dict[tuple, tuple[float, float, float]] = {
-    (8, None, True, "shared"): (0.00673, 96.5, 168.3),  # the 8-bit default before issue 22
-    (8, 128, True, "shared"): (0.00141, 98.1, 170.4),
-    (8, 64, True, "shared"): (0.00048, 99.1, 173.0),  # the 8-bit default
-    (8, 32, True, "shared"): (0.00021, 99.1, 178.3),
-    (4, 128, True, "shared"): (0.27073, 73.8, 86.5),  # absmax/7
-    (4, 64, True, "shared"): (0.19830, 77.4, 89.1),  # absmax/7
-    (4, 32, True, "shared"): (0.12089, 80.8, 94.4),  # the 4-bit default (signed-max; absmax/7: 0.14940)
-    (4, 32, False, "shared"): (0.08857, 84.1, 97.0),
-    (8, None, True, "float"): (0.00534, 97.5, 168.3),
-    (4, 32, True, "float"): (0.05061, 90.6, 94.4),  # absmax/7
-    (4, 32, True, "int8"): (0.05215, 90.1, 262.7),  # absmax/7
-}
+    (r["bits"], r["group_size"], r["symmetric"], r["head"]): (r["mean_kld"], r["same_top1"], r["overlay_MB"])
+    for r in _DATA["rows"]}
 # The float model itself run in bfloat16, same contexts: the noise users already accept.
-FLOOR_GEMMA3_270M = (0.00070, 98.4)
+FLOOR_GEMMA3_270M = (_DATA["floor"]["mean_kld"], _DATA["floor"]["same_top1"])
 # A scheme is called lossy at a mean KLD of 0.005 nats/token (about what llama.cpp
 # measures for a whole model at Q6_K, here for one table) or below 97% same top-1.
 LOSSY_KLD = 0.005
@@ -66,17 +59,19 @@ def scheme_advice(scheme, config: dict | None = None, *, head_scheme=None, lm_he
     m8 = MEASURED_GEMMA3_270M[(8, DEFAULT_GROUP[8], True, "shared")]
     if head is not None and head.unit.lossy:
         where = "tied head" if tied and head_scheme is None else "quantized head"
-        mh = MEASURED_GEMMA3_270M[(4, 32, True, "int8")]
-        fix = (f"there the 8-bit default (--bits 8) measured {m8[0]:.2g} at {m8[2]:.0f} MB and a Q4 gather "
-               f"with --head-bits 8 still {mh[0]:.2g} at {mh[2]:.0f} MB (bf16 table: 336 MB)" if tied else
+        mh = MEASURED_GEMMA3_270M.get((4, 32, True, "int8"))
+        q4h8 = (f" and a Q4 gather with --head-bits 8 still {mh[0]:.2g} at {mh[2]:.0f} MB" if mh else "")
+        fix = (f"there the 8-bit default (--bits 8) measured {m8[0]:.2g} at {m8[2]:.0f} MB{q4h8} "
+               "(bf16 table: 336 MB)" if tied else
                "quantize the head at 8 bits (--head-bits 8) or leave it float")
         return (f"4-bit {where} is lossy: the output projection reads the 4-bit table"
                 f"{_measured(4, head.group_size, head.symmetric, 'shared')}; {fix}")
     if scheme.unit.lossy:
         extra = ""
-        if tied:
+        mh = MEASURED_GEMMA3_270M.get((4, 32, True, "int8"))
+        if tied and mh and m8[0] < mh[0] and m8[2] < mh[2]:  # said only while the data shows it
             extra = (f"; there the 8-bit default for both (mean KLD {m8[0]:.2g}, {m8[2]:.0f} MB) beat a Q4 "
-                     "gather with its own int8 head table on size and quality")
+                     f"gather with its own int8 head table ({mh[0]:.2g}, {mh[2]:.0f} MB) on size and quality")
         return (f"4-bit embedding gather is lossy{_measured(4, g, scheme.symmetric, 'float')}{extra}; "
                 "measure it with `embedq eval`")
     if tied and head_scheme is None and (g is None or g > 128):

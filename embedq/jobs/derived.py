@@ -20,6 +20,7 @@ from embedq.format.config import build_config, parse_config
 from embedq.format.files import check_writable, link_or_copy, stays_inside, write_json_atomic
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
+from embedq.jobs import testpoint
 from embedq.jobs.card import check_card_inputs, write_card
 from embedq.jobs.overlay import write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
@@ -102,6 +103,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
             pass
         write_json_atomic(stage / OUTPUT_MARKER, {"written_by": "embedq", "source": str(ckpt.path)})
         fsync_dir(stage)
+        testpoint.reached("derived-staged")
         if output.exists():
             old = output.parent / f".{output.name}.{os.getpid()}.old"
             os.replace(output, old)

@@ -24,6 +24,7 @@ from embedq.format.dtypes import (DTYPE_NAMES, DTYPE_TO_ST_NAME, ST_NAME_TO_DTYP
                                   dtype_from_name)
 from embedq.format.scheme import Scheme
 from embedq.format.writer import StreamingSafetensorsWriter
+from embedq.jobs import testpoint
 from embedq.jobs.report import ModuleReport
 from embedq.jobs.targets import find_targets, resolve_ties
 from embedq.quant.fused import has_cached_kernel, native_ready
@@ -204,6 +205,7 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
             with stage("finite check (suspect chunk only)"):
                 check_finite(x, r0, where)
         stats.add(*st, x.numel())
+        testpoint.reached("stream")
         if bar is not None:
             bar.update(x.shape[0])
         if zp is None:

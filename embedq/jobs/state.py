@@ -32,6 +32,7 @@ from embedq.format.constants import QUANT_METHOD
 from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
 from embedq.format.files import inside, stays_inside, write_bytes_atomic, write_json_atomic
+from embedq.jobs import testpoint
 
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"
@@ -277,6 +278,7 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     links = _links(path)
     try:
         writer.commit()
+        testpoint.reached("committing")
         write_json_atomic(path / QCONFIG_NAME, qconfig)
         if INDEX_NAME in backup:
             index = json.loads(backup[INDEX_NAME])

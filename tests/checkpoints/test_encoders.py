@@ -69,14 +69,15 @@ def test_load_bert_hidden_states(bert):
 
 
 def test_sentence_transformers(bert):
-    st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers import models
+    # In the `test` extra (pyproject.toml): a missing install fails here, never skips.
+    import sentence_transformers as st
+    from sentence_transformers.sentence_transformer import modules as models
     src, q = bert
     sentences = ["hello world", "quantized embed tables of the model"]
 
     def encode(path):
         tr = models.Transformer(str(path), max_seq_length=32)
-        pool = models.Pooling(tr.get_word_embedding_dimension(), pooling_mode="mean")
+        pool = models.Pooling(tr.get_embedding_dimension(), pooling_mode="mean")
         return st.SentenceTransformer(modules=[tr, pool], device="cpu").encode(
             sentences, convert_to_tensor=True)
 

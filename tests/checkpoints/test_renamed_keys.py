@@ -11,7 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "quality"))
 from archs import build_tiny, renamed_architectures  # noqa: E402
+from qualutil import assert_logits_match  # noqa: E402
 
 import embedq  # noqa: E402
 from embedq.backends.transformers import QuantizedEmbedding, QuantizedLMHead  # noqa: E402
@@ -56,12 +58,9 @@ def test_renamed_architecture_roundtrip(key, tmp_path):
     if key in KNOWN:
         pytest.xfail(KNOWN[key])
     embedq.quantize(path, bits=8, lm_head=not tied, progress=False)
-    try:
-        model = embedq.load(path)
-    except Exception as e:
-        if "not supported" in str(e) or "requires" in str(e):
-            pytest.skip(f"{cls_name}: transformers cannot load it here ({str(e)[:120]})")
-        raise
+    # No skip from here on: embedq's own errors say "not supported" too. (No architecture
+    # enumerated by transformers 5.24 fails to load here; a new one that does fails the test.)
+    model = embedq.load(path)
     emb = model.get_input_embeddings()
     assert isinstance(emb, QuantizedEmbedding)
     ov = embedq.load_overlay(path)
@@ -77,8 +76,9 @@ def test_renamed_architecture_roundtrip(key, tmp_path):
     if not tied:
         head = model.get_output_embeddings()
         assert isinstance(head, QuantizedLMHead)
-        head_ref = ov.table_for(d["head_module"]).dequantize(torch.float32)
-        h = torch.randn(3, head_ref.shape[1])
+        head_ref = ov.table_for(d["head_module"]).dequantize(torch.bfloat16)
+        h = torch.randn(3, head_ref.shape[1]).to(torch.bfloat16)
         with torch.no_grad():
-            got = head(h.to(torch.bfloat16)).float()
-        torch.testing.assert_close(got[..., : head_ref.shape[0]], h @ head_ref.t(), rtol=3e-2, atol=3e-2)
+            got = head(h)[..., : head_ref.shape[0]]
+            want = torch.nn.functional.linear(h, head_ref)
+        assert_logits_match(got, want, h, head_ref)  # the derived rounding bound (qualutil)

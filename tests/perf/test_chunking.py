@@ -93,29 +93,56 @@ def test_chunked_compiled_equals_whole_tensor(raw_table, bits, group):
     assert torch.equal(s2.view(torch.int16), s.view(torch.int16))
 
 
-def test_pipeline_errors_propagate_and_stop(raw_table):
+class _JoinSeen(threading.Thread):
+    """A Thread whose join() is observable: the pipeline's stages are joined before run() raises."""
+    joining = threading.Event()
+
+    def join(self, timeout=None):
+        _JoinSeen.joining.set()
+        return super().join(timeout)
+
+
+@pytest.mark.parametrize("where", ["compute", "write"])
+def test_pipeline_errors_propagate_and_stop(raw_table, monkeypatch, where):
+    """An error in any stage stops every stage before run() raises: chunks still queued
+    are never written, and no write happens after run() raised (no timing involved: the
+    first write waits until run() joins its threads, or, were they not joined, until the
+    test has seen run() raise)."""
+    import embedq.quant.stream as stream
     path, offset, _ = raw_table
     scheme = Scheme.default(8)
     before = threading.active_count()
-    for where in ("compute", "write"):
-        calls = []
+    _JoinSeen.joining = threading.Event()
+    monkeypatch.setattr(stream.threading, "Thread", _JoinSeen)
+    writing, raised = threading.Event(), threading.Event()
+    calls = []
 
-        def compute(r0, x):
-            if where == "compute" and r0 >= 256:
-                raise ValueError("boom")
-            return quantize_pack_chunk(x, scheme, torch.bfloat16, compiled=False)[:2]
+    def compute(r0, x):
+        if where == "compute" and r0 >= 128:
+            writing.wait()  # the writer holds chunk 0 and chunk 64 is queued (depth 2)
+            raise ValueError("boom")
+        return quantize_pack_chunk(x, scheme, torch.bfloat16, compiled=False)[:2]
 
-        def write(r0, out):
-            calls.append(r0)
-            if where == "write" and r0 >= 128:
-                raise OSError("disk full")
+    def write(r0, out):
+        if where == "compute" and r0 == 0:
+            writing.set()
+            while not (_JoinSeen.joining.is_set() or raised.is_set()):
+                _JoinSeen.joining.wait(0.05)
+        calls.append((r0, raised.is_set()))
+        if where == "write" and r0 >= 128:
+            raise OSError("disk full")
 
-        with MappedRows(path, offset, (ROWS, COLS), torch.bfloat16) as src:
-            with pytest.raises((ValueError, OSError)):
-                Pipeline(src, 64, compute, write, threads=True).run()
-        n = len(calls)
-        assert threading.active_count() == before  # every stage joined
-        assert len(calls) == n  # and nothing is written afterwards
+    with MappedRows(path, offset, (ROWS, COLS), torch.bfloat16) as src:
+        with pytest.raises(ValueError if where == "compute" else OSError):
+            Pipeline(src, 64, compute, write, threads=True).run()
+        raised.set()
+        for t in threading.enumerate():  # a stage left running (a bug) finishes before we look
+            if t.name.startswith("embedq-"):
+                t.join(30)
+    assert not any(after for _, after in calls), calls  # nothing written after run() raised
+    # the failing stage stopped the others: no chunk after the failure was written
+    assert [r0 for r0, _ in calls] == ([0] if where == "compute" else [0, 64, 128])
+    assert threading.active_count() == before  # every stage joined
 
 
 def test_mapped_rows_refuses_truncated_file(tmp_path):

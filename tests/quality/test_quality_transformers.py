@@ -17,8 +17,8 @@ from embedq.errors import OverlayError
 from embedq.format.codec import QuantizedTable
 from embedq.format.scheme import Scheme
 from embedq.quant.rtn import quantize_rtn
-from qualutil import (assert_logits_match, assert_same_greedy, dequantized_reference,
-                      overlay_tensor_bytes)
+from qualutil import (assert_logits_match, assert_model_logits_match, assert_same_greedy,
+                      dequantized_reference, overlay_tensor_bytes)
 
 IDS = torch.tensor([[1, 5, 7, 9, 11, 200, 3, 4, 5, 6, 7, 8, 9, 10, 250, 2]])
 
@@ -67,9 +67,7 @@ def test_loaded_logits_equal_dequantized_reference(model_factory, tmp_path, kind
     assert overlay_tensor_bytes(path) * 0.99 <= quantized_nbytes(model) <= overlay_tensor_bytes(path) * 1.3
 
     ref = dequantized_reference(src, path, type(model), dtype=model.dtype)
-    with torch.no_grad():
-        a, b = model(IDS).logits, ref(IDS).logits
-    assert_logits_match(a, b)
+    assert_model_logits_match(model, ref, IDS)
     assert_same_greedy(model, ref, IDS, 6)
 
 
@@ -79,8 +77,7 @@ def test_dtype_follows_the_model(model_factory):
     m = embedq.load(src, dtype=torch.float32)
     assert m.model.embed_tokens(IDS).dtype == torch.float32
     ref = dequantized_reference(src, src, type(m), dtype=torch.float32)
-    with torch.no_grad():
-        assert_logits_match(m(IDS).logits, ref(IDS).logits)
+    assert_model_logits_match(m, ref, IDS)
     m.to(torch.bfloat16)
     assert m.model.embed_tokens(IDS).dtype == torch.bfloat16
 
@@ -91,9 +88,11 @@ def test_head_chunks_match_one_matmul(model_factory):
     m = embedq.load(src)
     head = m.lm_head
     h = torch.randn(2, 5, head.in_features).to(m.dtype)
-    full = torch.nn.functional.linear(h, head.table.dequantize(h.dtype))
+    w = head.table.dequantize(h.dtype)
+    full = torch.nn.functional.linear(h, w)
     head.chunk_rows = 96  # 1000 rows: 11 chunks, the last one partial
-    assert_logits_match(head(h), full)
+    with torch.no_grad():
+        assert_logits_match(head(h), full, h, w)
     with torch.no_grad():
         assert torch.equal(head.table.linear(h.float(), None, 96), torch.nn.functional.linear(
             h.float(), head.table.dequantize(torch.float32)))
