@@ -22,9 +22,24 @@ from _harness import configure_env  # noqa: E402
 configure_env()
 
 
+def break_drafter() -> None:
+    """Mutation (EMBEDQ_TEST_BREAK_DRAFTER=1): the MTP drafter reads its head's rows one off
+    (its logits rolled by one along the vocabulary), the target untouched; the acceptance
+    check of test_vllm_engine.py must then fail."""
+    from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MTP
+    real = Qwen3_5MTP.compute_logits
+
+    def compute_logits(self, *a, **k):
+        y = real(self, *a, **k)
+        return None if y is None else y.roll(1, dims=-1)
+    Qwen3_5MTP.compute_logits = compute_logits
+
+
 def main() -> None:
     model_dir, out, prompts_file, max_tokens = sys.argv[1:5]
     extra = json.loads(open(sys.argv[5]).read()) if len(sys.argv) > 5 else {}
+    if os.environ.get("EMBEDQ_TEST_BREAK_DRAFTER") == "1":
+        break_drafter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     prompts = json.loads(open(prompts_file).read())
