@@ -51,7 +51,8 @@ def _not_cpu_build() -> str | None:
         import vllm._custom_ops  # noqa: F401  (loads the build's compiled ops)
     except Exception as e:  # pragma: no cover
         return f"vllm._custom_ops does not import ({type(e).__name__}: {e})"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("_C::rms_norm", "CPU"):
+    if not (hasattr(torch.ops._C, "rms_norm")
+            and torch._C._dispatch_has_kernel_for_dispatch_key("_C::rms_norm", "CPU")):
         return "this vLLM build has no CPU kernels (_C::rms_norm for CPU)"
     return None
 

