@@ -116,7 +116,13 @@ def build_qwen35(path: Path, vl: bool, mtp: bool) -> Path:
             if k.startswith(layer):
                 sd["mtp.layers.0." + k[len(layer):]] = v.clone()
         h = QWEN35_TEXT["hidden_size"]
-        sd["mtp.fc.weight"] = (torch.randn(h, 2 * h) * 0.05).to(torch.bfloat16)
+        # fc reads [embedding of the next token, target hidden state]: forward the embedding
+        # (plus a little of the hidden state). Such a model's greedy output settles on a
+        # token that predicts itself (its embedding dominates the residual), so this drafter
+        # agrees with the target and is accepted almost always; one reading its table wrong
+        # almost never (tests/vllm/test_vllm_engine.py checks the acceptance).
+        fc = torch.cat([torch.eye(h), torch.randn(h, h) * 0.01], dim=1)
+        sd["mtp.fc.weight"] = fc.to(torch.bfloat16)
         for n in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
             sd[f"mtp.{n}.weight"] = torch.zeros(h, dtype=torch.bfloat16)  # Qwen3.5: 1 + w
         save_file(sd, str(f), metadata={"format": "pt"})
