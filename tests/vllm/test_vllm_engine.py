@@ -76,7 +76,7 @@ def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwarg
         [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(HERE / "_engine_worker.py"), str(model_dir), str(out),
                         str(pf), str(max_tokens), str(kw)], env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=2400)  # a hang guard: one run took 11 min at load 25
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     return json.loads(out.read_text())
 
