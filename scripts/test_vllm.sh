@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Test embedq's vLLM back end against the real vLLM 0.33.0, in its own cached venv
-# (scripts/setup_vllm_venv.sh). Extra arguments go to pytest. The whole-engine runs
+# (scripts/setup_vllm_venv.sh): tests/vllm, then the Triton kernel tests (tests/kernels)
+# in Triton's interpreter (TRITON_INTERPRET=1; this venv ships Triton, the main one does
+# not). Extra arguments go to the tests/vllm pytest. The whole-engine runs
 # (test_vllm_engine.py) need vLLM's CPU kernels: scripts/test_vllmcpu.sh runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,13 +16,19 @@ if [[ -x "$MAINPY" && -f scripts/make_gemma3_fixture.py ]]; then
 fi
 export EMBEDQ_VLLM_TESTS=1 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-set +e
-"$PY" -m pytest tests/vllm --ignore=tests/vllm/test_vllm_engine.py --confcutdir=tests/vllm \
-    -p no:cacheprovider -q "$@"
-rc=$?
-set -e
-if [[ $rc -eq 5 ]]; then
-    echo "test_vllm.sh: pytest collected no tests: failing" >&2
-    exit 1
-fi
-exit $rc
+fail=0
+run() {  # run NAME PYTEST-ARGS...: collecting nothing is a failure
+    local rc=0 start=$(date +%s)
+    "$PY" -m pytest -p no:cacheprovider -q -rs --durations=10 "${@:2}" || rc=$?
+    echo "test_vllm.sh: $1: rc $rc in $(( $(date +%s) - start ))s (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+    if [[ $rc -eq 5 ]]; then
+        echo "test_vllm.sh: $1: pytest collected no tests: failing" >&2
+        rc=1
+    fi
+    [[ $rc -eq 0 ]] || fail=1
+}
+run tests/vllm tests/vllm --ignore=tests/vllm/test_vllm_engine.py --confcutdir=tests/vllm "$@"
+# the interpreter runs each kernel program in numpy (tests keep shapes small): 62 tests,
+# 539 s measured at load ~20 on 2 cores (test_bench_gpu.py::test_py_dry_run the slowest, 115 s)
+TRITON_INTERPRET=1 EMBEDQ_REQUIRE_TRITON=1 run tests/kernels tests/kernels
+exit $fail

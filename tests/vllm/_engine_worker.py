@@ -22,9 +22,27 @@ from _harness import configure_env  # noqa: E402
 configure_env()
 
 
+def break_drafter() -> None:
+    """Mutation (EMBEDQ_TEST_BREAK_DRAFTER=<model folder name>, e.g. q8): that model's MTP
+    drafter reads its head's rows one off (its logits rolled by one along the vocabulary),
+    the target untouched; test_vllm_engine.py's acceptance check must then fail."""
+    from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MTP
+    logits, top = Qwen3_5MTP.compute_logits, Qwen3_5MTP.get_top_tokens
+
+    def compute_logits(self, *a, **k):
+        y = logits(self, *a, **k)
+        return None if y is None else y.roll(1, dims=-1)
+
+    def get_top_tokens(self, *a, **k):  # the greedy proposer's local argmax
+        return (top(self, *a, **k) + 1) % self.lm_head.org_vocab_size
+    Qwen3_5MTP.compute_logits, Qwen3_5MTP.get_top_tokens = compute_logits, get_top_tokens
+
+
 def main() -> None:
     model_dir, out, prompts_file, max_tokens = sys.argv[1:5]
     extra = json.loads(open(sys.argv[5]).read()) if len(sys.argv) > 5 else {}
+    if os.environ.get("EMBEDQ_TEST_BREAK_DRAFTER", "") == os.path.basename(model_dir.rstrip("/")):
+        break_drafter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     prompts = json.loads(open(prompts_file).read())

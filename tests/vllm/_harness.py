@@ -116,7 +116,13 @@ def build_qwen35(path: Path, vl: bool, mtp: bool) -> Path:
             if k.startswith(layer):
                 sd["mtp.layers.0." + k[len(layer):]] = v.clone()
         h = QWEN35_TEXT["hidden_size"]
-        sd["mtp.fc.weight"] = (torch.randn(h, 2 * h) * 0.05).to(torch.bfloat16)
+        # fc reads [embedding of the next token, target hidden state]: forward the embedding
+        # (plus a little of the hidden state). Such a model's greedy output settles on a
+        # token that predicts itself (its embedding dominates the residual), so this drafter
+        # agrees with the target and is accepted almost always; one reading its table wrong
+        # almost never (tests/vllm/test_vllm_engine.py checks the acceptance).
+        fc = torch.cat([torch.eye(h), torch.randn(h, h) * 0.01], dim=1)
+        sd["mtp.fc.weight"] = fc.to(torch.bfloat16)
         for n in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
             sd[f"mtp.{n}.weight"] = torch.zeros(h, dtype=torch.bfloat16)  # Qwen3.5: 1 + w
         save_file(sd, str(f), metadata={"format": "pt"})
@@ -211,6 +217,19 @@ def reference(model_dir, module: str, dtype=torch.bfloat16) -> torch.Tensor:
     return ov.table_for(module).dequantize(dtype)
 
 
+def dispatch_layout(model_dir, module: str, rows: int = 64) -> str:
+    """The serving layout embedq's dispatch table (embedq.kernels.dispatch) picks on this CPU
+    for ``module``'s stored scheme, asked of a PreparedTable built here from the overlay's
+    first ``rows`` rows (the choice depends on bits, groups, columns and the CPU, not on the
+    row count): what a vLLM process on this machine must serve it with."""
+    import embedq
+    from embedq.kernels import PreparedTable
+    qt = embedq.load_overlay(model_dir).table_for(module)
+    zp = None if qt.zero_point is None else qt.zero_point[:rows]
+    return PreparedTable.from_packed(qt.packed[:rows], qt.scale[:rows], qt.cols, qt.bits,
+                                     qt.group_size, zero_point=zp).kind
+
+
 def param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -222,21 +241,51 @@ def prepared(layer):
     return p
 
 
-def assert_logits_match(a: torch.Tensor, b: torch.Tensor) -> None:
-    """The rounding bound of tests/quality/qualutil.py (same justification): the fast path
-    applies the scale after a float32 dot product, the dequantized reference rounds each
-    weight q*s to bf16 first (relative 2^-9) and then accumulates, so a logit differs by
-    ~2^-8 * sum_i |x_i w_i| (a small multiple of the row's largest logit) plus one output
-    rounding. float32 activations go through the exact reference arithmetic."""
+def magnitude(model_dir, module: str) -> torch.Tensor:
+    """float32 ``|w| + |zp*s|`` per element of ``module``'s table (``|w|`` when symmetric): the
+    magnitude the bound of :func:`assert_logits_match` scales with. A fast path may form the
+    unshifted dot ``s*(q . x)`` (torch's weight-only kernels) or round ``-zp*s`` (the int4
+    kernel's zero term), so its error scales with ``|q*s| <= |w| + |zp*s|``, not with ``|w|``."""
+    import embedq
+    qt = embedq.load_overlay(model_dir).table_for(module)
+    mag = qt.dequantize(torch.float32).abs()
+    if qt.zero_point is not None:
+        g = qt.cols if qt.group_size is None else qt.group_size
+        mag += (qt.zero_point.float() * qt.scale.float()).abs().repeat_interleave(g, dim=1)
+    return mag
+
+
+U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+def assert_logits_match(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, mag: torch.Tensor,
+                        softcap: bool = False) -> None:
+    """Served logits ``a`` against the reference ``b`` (dequantize-then-matmul, or the exact
+    float32 product rounded once), ``x`` the activations, ``mag`` = :func:`magnitude` (rows
+    beyond it, vocab padding, are cut off by the caller).
+
+    Derived bound, per logit, u the unit roundoff of the dtype (2^-8 bf16, 2^-11 fp16,
+    2^-24 fp32) and A = sum_i |x_i| mag_i:
+      * the reference rounds each weight q*s to the dtype: u * A;
+      * the fast path rounds one intermediate result to the dtype (torch's weight-only
+        kernels: the unshifted dot s*(q . x) per row or group, then z*s*sum(x) in float32;
+        the int4 kernel: -zp*s): u * A;
+      * both accumulate over K terms in float32: 2 * K * 2^-24 * A;
+      * both round the output: u * (|a| + |b|);
+      * a soft cap tanh(z/c)*c (``softcap``; tanh is 1-Lipschitz, |z| <= A): the pre-cap
+        outputs' roundings u*(|z_a| + |z_b|) <= 2u*A, the rounding of z/c passes on as u*|z|
+        per side (2u*A), tanh and *c round twice more per side (2u*(|a| + |b|)).
+    """
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype == torch.float32:
-        torch.testing.assert_close(a, b)
-        return
+    u, K = U[a.dtype], x.shape[-1]
+    A = x.float().abs() @ mag.t()
     a, b = a.float(), b.float()
-    tol = 2 ** -5 * b.abs().amax(-1, keepdim=True) + 2 ** -7 * b.abs()
+    tol = (2 * u + 2 * K * 2.0 ** -24) * A + u * (a.abs() + b.abs())
+    if softcap:
+        tol += 4 * u * A + 2 * u * (a.abs() + b.abs())
     bad = (a - b).abs() > tol
-    assert not bad.any(), (f"{int(bad.sum())} logits beyond the rounding bound; "
-                           f"max diff {(a - b).abs().max():.4g}")
+    assert not bad.any(), (f"{int(bad.sum())} logits beyond the rounding bound; max diff "
+                           f"{(a - b).abs().max():.4g}, max excess {((a - b).abs() - tol).max():.4g}")
 
 
 def read_json(path) -> dict:

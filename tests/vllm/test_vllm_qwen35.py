@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _harness import (assert_logits_match, engine_config, init_single_process, load_model,
+from _harness import (assert_logits_match, engine_config, init_single_process, load_model, magnitude,
                       prepared, reference, vocab_layers)
 
 import _ev as ev
@@ -47,7 +47,8 @@ def _check_tables(d, model, kind):
         assert prepared(head) is not prepared(embed)
     h = torch.randn(4, ref.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     logits = model.compute_logits(h)
-    assert_logits_match(logits[:, : ref_head.shape[0]], torch.nn.functional.linear(h, ref_head))
+    mag = magnitude(d, emb_mod if head_mod is None else head_mod)
+    assert_logits_match(logits[:, : ref_head.shape[0]], torch.nn.functional.linear(h, ref_head), h, mag)
     assert embed.weight.numel() == 0 and head.weight.numel() == 0
     return embed, head, h, logits
 
