@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 # hidden 96: per-row -> block 32 (3 blocks), g32 -> 3 blocks: an odd number per row.
+#: vocabularies of the exporters' checkpoints (-v4k: a table larger than every other weight)
+VOCAB = {"tied96-h32": 512, "untied96-h32": 384, "tied96-h32-v4k": 4096, "untied96-h32-v4k": 4096}
 COMMON = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2)
 
