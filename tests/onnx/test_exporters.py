@@ -174,7 +174,10 @@ def test_exporters_split_tied(builder_folder, optimum_model, overlay, checkpoint
     emb, head = r.modules
     assert len(emb.parts) == (2 if bits == 4 else 4) and head.parts == emb.parts and head.quantized_bytes == 0
     sizes = initializer_bytes(path)
-    assert max(sizes.values()) <= SPLIT, max(sizes.items(), key=lambda kv: kv[1])
+    # the builder's rotary caches (2 MiB each) are not the overlay's: named in a warning
+    big = sorted(k for k, v in sizes.items() if v > SPLIT)
+    assert big == (["cos_cache", "sin_cache"] if flavour == "builder" else []), big
+    assert not big or any(all(b_ in w for b_ in big) for w in r.warnings), r.warnings
     assert sum(v for k, v in sizes.items() if re.search(r"\.part\d+$", k)) == emb.quantized_bytes
     ops = _ops(path)
     assert ops.count("GatherBlockQuantized") == ops.count("MatMulNBits") == len(emb.parts)

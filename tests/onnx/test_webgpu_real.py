@@ -12,7 +12,7 @@ import pytest
 import webgpu
 from onnxutil import initializer_bytes
 
-TEXT = "The capital of France is Paris. The capital of Germany is"
+TEXT = "The capital of France is"
 WEBGPU = "WebGpuExecutionProvider"
 
 
@@ -42,14 +42,14 @@ def test_gemma3_270m_q4_split_on_webgpu(gemma3_270m, tmp_path):
 
     ids = AutoTokenizer.from_pretrained(gemma3_270m)(TEXT, return_tensors="np").input_ids
     feeds = {"input_ids": ids.astype(np.int64)}
-    gpu = webgpu.run(out, feeds, tmp_path / "runs", greedy=3)
+    gpu = webgpu.run(out, feeds, tmp_path / "runs", greedy=2)
     assert gpu.error is None, gpu.error
     parts = {**gpu.on("GatherBlockQuantized"), **gpu.on("MatMulNBits")}
     assert len(parts) == 6 and set(parts.values()) == {WEBGPU}, parts
-    cpu = webgpu.run(out, feeds, tmp_path / "runs", ep="cpu", greedy=3)
+    cpu = webgpu.run(out, feeds, tmp_path / "runs", ep="cpu", greedy=2)
     fb = sorted(set(gpu.fallbacks().values()))
     print(f"\ngemma3-270m q4, 3 parts of <= 32 MiB: WebGPU (SwiftShader, software renderer) forward + "
-          f"3 greedy steps {gpu.seconds:.1f}s, CPU EP {cpu.seconds:.1f}s; {ids.shape[1]} positions; "
+          f"2 greedy steps {gpu.seconds:.1f}s, CPU EP {cpu.seconds:.1f}s; {ids.shape[1]} positions; "
           f"CPU-EP fallbacks on WebGPU: {fb}")
     g, c = gpu.outputs["logits"], cpu.outputs["logits"]
     assert (g.argmax(-1) == c.argmax(-1)).all()  # the last greedy step's logits, every position
