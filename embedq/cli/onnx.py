@@ -13,6 +13,11 @@ _ACCURACY_HELP = ("MatMulNBits accuracy_level 0-4 (default: per device as onnxru
                   "builder: cpu/webgpu 4 = int8 activations, 3-30x faster heads; 0 = float)")
 
 
+_SIZE_HELP = ("Split each quantized table by rows so that no initializer exceeds SIZE "
+              "(262144, 256KiB, 256MiB); default: no split")
+_TARGET_HELP = "webgpu: split at 256 MiB (WebGPU's default maxBufferSize); --max-tensor-bytes overrides"
+
+
 def _backend():
     """The back end, or one ``embedq: error:`` line when the onnx extra is missing."""
     from embedq.errors import EmbedqError
@@ -47,6 +52,9 @@ def register(app: typer.Typer) -> None:
         execution_provider: Optional[str] = typer.Option(
             None, "--execution-provider", help="cpu, cuda, webgpu, ... (picks the default "
             "accuracy level; default: a genai folder's configured provider, else cpu)"),
+        max_tensor_bytes: Optional[str] = typer.Option(None, "--max-tensor-bytes", metavar="SIZE",
+                                                       help=_SIZE_HELP),
+        target: Optional[str] = typer.Option(None, "--target", help=_TARGET_HELP),
         force: bool = typer.Option(False, "--force", help="Replace OUTPUT (or patch MODEL in place)"),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     ) -> None:
@@ -58,7 +66,8 @@ def register(app: typer.Typer) -> None:
         backend = _backend()
         report = run(backend.patch_model, model, overlay, output, external_data=external_data,
                       force=force, accuracy_level=accuracy_level,
-                      execution_provider=execution_provider)
+                      execution_provider=execution_provider, max_tensor_bytes=max_tensor_bytes,
+                      target=target)
         typer.echo(report.to_json() if as_json else report.table())
 
     @onnx_app.command("export")
@@ -75,6 +84,9 @@ def register(app: typer.Typer) -> None:
             None, "--external-data/--no-external-data",
             help="Weights in OUTPUT.data (default: only when over 2 GB)"),
         accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help=_ACCURACY_HELP),
+        max_tensor_bytes: Optional[str] = typer.Option(None, "--max-tensor-bytes", metavar="SIZE",
+                                                       help=_SIZE_HELP),
+        target: Optional[str] = typer.Option(None, "--target", help=_TARGET_HELP),
         force: bool = typer.Option(False, "--force", help="Replace OUTPUT"),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
     ) -> None:
@@ -87,7 +99,8 @@ def register(app: typer.Typer) -> None:
         backend = _backend()
         report = run(backend.export_model, model, output, overlay=overlay, dtype=dtype,
                       external_data=external_data, force=force, opset=opset,
-                      optimize=optimize, accuracy_level=accuracy_level)
+                      optimize=optimize, accuracy_level=accuracy_level,
+                      max_tensor_bytes=max_tensor_bytes, target=target)
         typer.echo(report.to_json() if as_json else report.table())
 
     app.add_typer(onnx_app, name="onnx")

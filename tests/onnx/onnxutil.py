@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 # hidden 96: per-row -> block 32 (3 blocks), g32 -> 3 blocks: an odd number per row.
+#: vocabularies of the exporters' checkpoints (-v4k: a table larger than every other weight)
+VOCAB = {"tied96-h32": 512, "untied96-h32": 384, "tied96-h32-v4k": 4096, "untied96-h32-v4k": 4096}
 COMMON = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2)
 
@@ -16,13 +18,16 @@ def build_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(COMMON)
+    vocab = None
+    if kind.endswith("-v4k"):  # a table larger than every other weight (split tests)
+        vocab, kind = 4096, kind[:-4]
     if kind.endswith("-h32"):  # head_dim 32: GroupQueryAttention (genai builder) needs a multiple of 16
         common.update(num_attention_heads=3, num_key_value_heads=1)
         kind = kind[:-4]
     if kind == "tied96":
-        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=512, tie_word_embeddings=True, **common))
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=vocab or 512, tie_word_embeddings=True, **common))
     elif kind == "untied96":
-        m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=384, tie_word_embeddings=False, **common))
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=vocab or 384, tie_word_embeddings=False, **common))
     else:
         raise KeyError(kind)
     m.to(torch.bfloat16).save_pretrained(path)

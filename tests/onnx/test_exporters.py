@@ -12,9 +12,7 @@ quantizes activations to int8 and is checked for greedy agreement.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,98 +21,9 @@ import pytest
 import torch
 
 from embedq.backends.onnx import patch_model, read_metadata
-from onnxutil import (build_checkpoint, reference_greedy, reference_logits, run_decoder,
-                      save_tiny_tokenizer)
+from onnxutil import VOCAB, reference_greedy, reference_logits, run_decoder
 
-REPO = Path(__file__).resolve().parents[2]
-VOCAB = {"tied96-h32": 512, "untied96-h32": 384}
 TIED, UNTIED = "tied96-h32", "untied96-h32"  # hidden 96: 3 blocks of 32 per row (odd)
-
-
-def _setup(script: str) -> str:
-    p = subprocess.run(["bash", str(REPO / "scripts" / script)], capture_output=True, text=True)
-    if p.returncode:
-        pytest.skip(f"{script} failed (offline?): {p.stderr.strip().splitlines()[-1:]} ")
-    return p.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="session")
-def genai_site() -> Path:
-    site = Path(_setup("setup_genai_onnx.sh"))
-    if str(site) not in sys.path:
-        sys.path.append(str(site))  # after the venv: only onnxruntime_genai comes from here
-    return site
-
-
-@pytest.fixture(scope="session")
-def optimum_python() -> str:
-    return _setup("setup_optimum_onnx_venv.sh")
-
-
-@pytest.fixture(scope="session")
-def checkpoints(onnx_root):
-    cache: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            cache[kind] = build_checkpoint(kind, onnx_root / f"exp-{kind}")
-            save_tiny_tokenizer(cache[kind], VOCAB[kind])
-        return cache[kind]
-    return get
-
-
-@pytest.fixture(scope="session")
-def builder_folder(genai_site, checkpoints, onnx_root):
-    """``builder_folder(kind)`` -> onnxruntime-genai fp32 CPU folder (builder defaults)."""
-    cache: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            out = onnx_root / f"builder-{kind}"
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(genai_site), str(REPO)]))
-            p = subprocess.run([sys.executable, str(REPO / "scripts" / "genai_build.py"), "-i",
-                                str(checkpoints(kind)), "-o", str(out), "-p", "fp32", "-e", "cpu",
-                                "-c", str(onnx_root / "builder-cache")],
-                               capture_output=True, text=True, env=env)
-            assert p.returncode == 0, p.stderr[-3000:]
-            cache[kind] = out
-        return cache[kind]
-    return get
-
-
-@pytest.fixture(scope="session")
-def optimum_model(optimum_python, checkpoints, onnx_root):
-    """``optimum_model(kind)`` -> model.onnx of optimum's text-generation-with-past export."""
-    cache: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            out = onnx_root / f"optimum-{kind}"
-            cli = Path(optimum_python).parent / "optimum-cli"
-            p = subprocess.run([str(cli), "export", "onnx", "--model", str(checkpoints(kind)),
-                                "--task", "text-generation-with-past", str(out)],
-                               capture_output=True, text=True)
-            assert p.returncode == 0, p.stderr[-3000:]
-            cache[kind] = out / "model.onnx"
-        return cache[kind]
-    return get
-
-
-@pytest.fixture(scope="session")
-def overlay(checkpoints, onnx_root):
-    import embedq
-    cache: dict[tuple, Path] = {}
-
-    def get(kind: str, bits: int, group: int | None) -> Path:
-        key = (kind, bits, group)
-        if key not in cache:
-            dst = onnx_root / "exp-overlays" / "-".join(map(str, key))
-            embedq.quantize(checkpoints(kind), bits=bits, group_size=0 if group is None else group,
-                            lm_head=kind.startswith("untied"), output=dst, overlay_only=True,
-                            progress=False)
-            cache[key] = dst
-        return cache[key]
-    return get
 
 
 def _ids(kind: str, b: int = 2, s: int = 7) -> torch.Tensor:
@@ -240,3 +149,38 @@ def test_optimum_with_past(optimum_model, overlay, checkpoints, tmp_path, kind, 
     if kind == TIED:  # the Transpose that fed the head is gone with the float table
         assert not [n for n in mp.graph.node if n.op_type == "Transpose" and n.input[0] == r.modules[0].replaced]
     _check_decoder(kind, ckpt, ov, out, 0)
+
+
+# ------------------------------------------------------- split tables (--max-tensor-bytes)
+
+SPLIT = 128 << 10  # 4096 x 96: int8 384 KiB -> 4 parts, Q4 192 KiB -> 2; other weights are smaller
+
+
+@pytest.mark.parametrize("flavour,bits,group", [("builder", 4, 32), ("optimum", 8, None)])
+def test_exporters_split_tied(builder_folder, optimum_model, overlay, checkpoints, tmp_path, flavour, bits, group):
+    """The builder's and optimum's tied graphs (the table shared through a Transpose) split:
+    one set of parts read by the gather and the head, every initializer within the limit,
+    logits and KV-cache greedy tokens as the dequantized reference."""
+    from onnxutil import initializer_bytes
+    kind = TIED + "-v4k"
+    ckpt, ov = checkpoints(kind), overlay(kind, bits, group)
+    if flavour == "builder":
+        src = builder_folder(kind)
+        r = patch_model(src, ov, tmp_path / "q", accuracy_level=0, max_tensor_bytes=SPLIT)
+        path = tmp_path / "q" / "model.onnx"
+    else:
+        path = tmp_path / "model.onnx"
+        r = patch_model(optimum_model(kind), ov, path, accuracy_level=0, max_tensor_bytes=SPLIT)
+    emb, head = r.modules
+    assert len(emb.parts) == (2 if bits == 4 else 4) and head.parts == emb.parts and head.quantized_bytes == 0
+    sizes = initializer_bytes(path)
+    # the builder's rotary caches (2 MiB each) are not the overlay's: named in a warning
+    big = sorted(k for k, v in sizes.items() if v > SPLIT)
+    assert big == (["cos_cache", "sin_cache"] if flavour == "builder" else []), big
+    assert not big or any(all(b_ in w for b_ in big) for w in r.warnings), r.warnings
+    assert sum(v for k, v in sizes.items() if re.search(r"\.part\d+$", k)) == emb.quantized_bytes
+    ops = _ops(path)
+    assert ops.count("GatherBlockQuantized") == ops.count("MatMulNBits") == len(emb.parts)
+    _check_decoder(kind, ckpt, ov, path, 0)
+    if flavour == "builder":
+        _genai_matches_reference(tmp_path / "q", ckpt, ov, kind)

@@ -12,7 +12,8 @@ bytes *is* the uint8 table ONNX Runtime's ``com.microsoft`` block-quantized oper
    as the source dtype, or, where the graph dtype cannot hold the source exactly, sampled
    rows within quantization error) and refuses otherwise (:mod:`.source`);
 3. builds ``GatherBlockQuantized`` and ``MatMulNBits`` (``accuracy_level`` per device, CPU
-   4) reading one shared uint8 initializer (tied: ``MatMulNBits`` through a ``Reshape``);
+   4) reading one shared uint8 initializer (tied: ``MatMulNBits`` through a ``Reshape``),
+   or, under ``max_tensor_bytes`` (WebGPU's buffer limit), row parts of it (:mod:`.split`);
    per-row scales become a block scale repeated over the largest power-of-two block
    dividing the row; zero points are always written, in ONNX Runtime's layout (:mod:`.common`);
 4. splices them in and drops the float tables and Identity/Transpose nodes left unread;
@@ -32,9 +33,10 @@ from embedq.backends.onnx.export import (estimate_patched, export_float, export_
 from embedq.backends.onnx.patch import (OnnxModuleReport, OnnxReport, default_accuracy_level,
                                         patch_model)
 from embedq.backends.onnx.source import SourceCheck, check_source
+from embedq.backends.onnx.split import WEBGPU_MAX_BUFFER, parse_size
 
 __all__ = ["patch_model", "export_model", "export_float", "load_float_model", "OnnxReport",
            "OnnxModuleReport", "OnnxError", "onnx_block_size", "ort_scales", "ort_zero_points",
            "ort_weight_bytes", "check_source", "read_metadata", "default_accuracy_level",
            "require_onnx", "SourceCheck", "MIN_ORT", "MIN_ORT_ODD_BLOCKS_4BIT", "TensorRef",
-           "estimate_patched"]
+           "estimate_patched", "parse_size", "WEBGPU_MAX_BUFFER"]

@@ -118,17 +118,21 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
                  overlay: str | os.PathLike | None = None, dtype: str = "float32",
                  external_data: bool | None = None, force: bool = False,
                  opset: int | None = None, optimize: bool = True,
-                 accuracy_level: int | None = None) -> OnnxReport:
+                 accuracy_level: int | None = None, max_tensor_bytes: int | str | None = None,
+                 target: str | None = None) -> OnnxReport:
     """Export ``model_dir`` (a transformers causal LM) to ONNX and patch it with its overlay.
 
     The graph has no KV cache (``input_ids -> logits``): a quick check of the overlay in
     ONNX Runtime. Graphs for serving come from onnxruntime-genai's builder or optimum's
     ``text-generation-with-past`` export, which ``patch_model`` patches as they are.
+    ``max_tensor_bytes`` / ``target``: split the quantized tables, as :func:`patch_model`.
     """
     from embedq.backends.onnx.common import require_onnx
     require_onnx()
     from embedq.format.reader import read_overlay_config
     from embedq.format.dtypes import dtype_from_name
+    from embedq.backends.onnx.split import resolve_limit
+    resolve_limit(max_tensor_bytes, target)  # fail before the slow part
     t0 = time.perf_counter()
     mdir, out = Path(model_dir), Path(output)
     ov_dir = Path(overlay) if overlay is not None else mdir
@@ -146,7 +150,8 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
         if external_data is None:  # one file unless it would not fit protobuf's 2 GB
             external_data = estimate_patched(fpath, ov_dir) > PROTOBUF_LIMIT * 0.9
         report = patch_model(fpath, ov_dir, out, external_data=external_data, force=force,
-                             accuracy_level=accuracy_level)
+                             accuracy_level=accuracy_level, max_tensor_bytes=max_tensor_bytes,
+                             target=target)
     report.model = str(mdir)
     report.export_seconds = t_exp
     report.seconds = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from embedq.backends.onnx.common import external_data as _external_file
 from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
                                         overlay_targets)
 from embedq.backends.onnx.source import SourceCheck, check_source
+from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
 from embedq.backends.onnx.write import write_model
 from embedq.format.files import check_links, inside, name_problem
 
@@ -40,6 +41,9 @@ class OnnxModuleReport:
     source_check: str
     float_bytes: int
     quantized_bytes: int  # 0 when the bytes are shared with another module
+    #: row parts of a table split under max_tensor_bytes: {"rows": [start, stop], "bytes": n}
+    #: (empty: one part, the whole table)
+    parts: list = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +61,8 @@ class OnnxReport:
     export_seconds: float | None = None
     warnings: list[str] = field(default_factory=list)
     accuracy_level: int | None = None  # of the MatMulNBits heads
+    max_tensor_bytes: int | None = None  # the split limit asked for (None: no split)
+    largest_initializer: int = 0  # bytes of the written graph's largest initializer
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,11 +78,18 @@ class OnnxReport:
             q = "shared" if m.quantized_bytes == 0 else mb(m.quantized_bytes)
             lines.append(f"  {m.module:<28} {m.op:<21} {m.scheme:<14} block {m.block_size:<4} "
                          f"{mb(m.float_bytes):>12} -> {q:>12}  source: {m.source_check}")
+            if m.parts:
+                lines.append(f"    {len(m.parts)} parts{' (shared)' if m.quantized_bytes == 0 else ''}: "
+                             + ", ".join(f"rows {p['rows'][0]}-{p['rows'][1]} ({mb(p['bytes'])})"
+                                         for p in m.parts))
         lines.append(f"  initializers {mb(self.initializer_bytes_before)} -> "
                      f"{mb(self.initializer_bytes_after)}; file(s) {mb(self.file_bytes)}"
                      f"{' (external data)' if self.external_data else ''}; "
                      f"needs onnxruntime >= {self.min_onnxruntime}"
                      + ("" if self.accuracy_level is None else f"; MatMulNBits accuracy_level {self.accuracy_level}"))
+        if self.max_tensor_bytes is not None:
+            lines.append(f"  largest initializer {mb(self.largest_initializer)} "
+                         f"(limit {mb(self.max_tensor_bytes)})")
         t = f"{self.seconds:.1f}s" if self.export_seconds is None else \
             f"{self.seconds:.1f}s (export {self.export_seconds:.1f}s)"
         lines.append(f"  done in {t}")
@@ -128,11 +141,13 @@ class _Patch:
     warnings: list[str] = field(default_factory=list)
     ov: object = None  # the loaded overlay (step 2)
     min_ort: str = MIN_ORT
+    max_tensor_bytes: int | None = None  # split quantized tables into parts of at most this
 
 
 def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: str | os.PathLike,
                 *, external_data: bool | None = None, force: bool = False,
-                accuracy_level: int | None = None, execution_provider: str | None = None) -> OnnxReport:
+                accuracy_level: int | None = None, execution_provider: str | None = None,
+                max_tensor_bytes: int | str | None = None, target: str | None = None) -> OnnxReport:
     """Rewrite a float ONNX graph to read the overlay's quantized tables.
 
     ``model`` is a ``.onnx`` file, or an onnxruntime-genai folder (``genai_config.json``
@@ -142,19 +157,27 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
     when the result would not fit protobuf's 2 GB); True/False force it.
     ``accuracy_level`` of MatMulNBits: None picks the builder's per-device default for
     ``execution_provider`` (CPU 4; a genai folder's provider is read from its config).
+    ``max_tensor_bytes`` (bytes, or ``"256MiB"``): a quantized table whose packed data,
+    scales or zero points exceed it is split by rows into parts that fit (:mod:`.split`);
+    ``target="webgpu"`` means WebGPU's default ``maxBufferSize``, 256 MiB.
     """
     require_onnx()
+    limit = resolve_limit(max_tensor_bytes, target)
+    if execution_provider is None and target is not None:
+        execution_provider = target
     src = Path(model)
     if src.is_dir() and (src / GENAI_CONFIG).is_file():
         return _patch_genai_folder(src, Path(overlay), Path(output), external_data=external_data,
                                    force=force, accuracy_level=accuracy_level,
-                                   execution_provider=execution_provider)
+                                   execution_provider=execution_provider, max_tensor_bytes=limit)
     return _patch_file(src, Path(overlay), Path(output), external_data=external_data, force=force,
-                       accuracy_level=accuracy_level, execution_provider=execution_provider)
+                       accuracy_level=accuracy_level, execution_provider=execution_provider,
+                       max_tensor_bytes=limit)
 
 
 def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data: bool | None,
-                force: bool, accuracy_level: int | None, execution_provider: str | None) -> OnnxReport:
+                force: bool, accuracy_level: int | None, execution_provider: str | None,
+                max_tensor_bytes: int | None = None) -> OnnxReport:
     from embedq.format.reader import read_overlay_config
     t0 = time.perf_counter()
     if out_path.exists() and not force and out_path.resolve() != src_path.resolve():
@@ -170,7 +193,8 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
     check_external_data(mp, src_path.parent, src_path)
-    P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level)
+    P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level,
+               max_tensor_bytes=max_tensor_bytes)
 
     matches, head_modules = _find_matches(P)
     matches = _check_sources(P, matches)
@@ -191,10 +215,18 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         raise OnnxError(f"{out_path}: {bytes_after / 1e9:.2f} GB of initializers do not fit one "
                         "protobuf file; pass --external-data")
     P.G.g.initializer.extend(extra_inits)
+    largest = max([TensorRef(i, P.G.base_dir).nbytes() for i in mp.graph.initializer]
+                  + [a.nbytes for a in new_tensors.values()], default=0)
+    if max_tensor_bytes is not None:
+        big = [i.name for i in mp.graph.initializer if TensorRef(i, P.G.base_dir).nbytes() > max_tensor_bytes]
+        if big:
+            P.warnings.append(f"initializers not from the overlay exceed --max-tensor-bytes "
+                              f"{max_tensor_bytes}: {', '.join(big[:5])} (embedq splits only the tables "
+                              "it quantizes)")
     file_bytes = write_model(mp, P.G.base_dir, out_path, new_tensors, external_data)
     return OnnxReport(str(src_path), str(out_path), str(ov_path), reports, bytes_before, bytes_after,
                       file_bytes, external_data, P.min_ort, time.perf_counter() - t0, None, P.warnings,
-                      accuracy_level)
+                      accuracy_level, max_tensor_bytes, largest)
 
 
 def _find_matches(P: _Patch) -> tuple[list[TableMatch], dict[int, str]]:
@@ -299,12 +331,35 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
         d = {"weight": fresh(f"{base}.qweight"), "scales": fresh(f"{base}.qscales"),
              "zp": fresh(f"{base}.qzero_points"), "block": block, "nb": nb, "bits": t.bits,
              "label": ov.parsed.modules[module].scheme.label(), "reshape": None, "V": t.rows, "H": t.cols}
-        new_tensors[d["weight"]] = ort_weight_bytes(t)
-        new_tensors[d["scales"]] = scales
-        new_tensors[d["zp"]] = ort_zero_points(t, block)
-        d["bytes"] = sum(new_tensors[d[k]].nbytes for k in ("weight", "scales", "zp"))
+        weight, zp = ort_weight_bytes(t), ort_zero_points(t, block)
+        ranges = row_ranges(t.rows, max(a.nbytes // t.rows for a in (weight, scales, zp)),
+                            P.max_tensor_bytes, module)
+        d["parts"] = []
+        if len(ranges) > 1:
+            for k, (a, b) in enumerate(ranges):
+                part = {"start": a, "stop": b, "reshape": None}
+                for what, arr in (("weight", weight), ("scales", scales), ("zp", zp)):
+                    part[what] = fresh(f"{d[what]}.part{k}")
+                    new_tensors[part[what]] = arr[a:b]
+                part["bytes"] = sum(new_tensors[part[w]].nbytes for w in ("weight", "scales", "zp"))
+                d["parts"].append(part)
+            used_names.difference_update(d[w] for w in ("weight", "scales", "zp"))
+        else:
+            new_tensors[d["weight"]], new_tensors[d["scales"]], new_tensors[d["zp"]] = weight, scales, zp
+        d["bytes"] = weight.nbytes + scales.nbytes + zp.nbytes
         made[key] = d
         return d
+
+    opset = next((o.version for o in P.mp.opset_import if o.domain in ("", "ai.onnx")), 13)
+    mk = NodeMaker(fresh, opset)
+
+    def reshape3d(q: dict, part: dict) -> str:
+        """MatMulNBits wants [N, blocks, blob]: a Reshape views the 2-D part (shared by a tied gather)."""
+        if part["reshape"] is None:
+            n = part["stop"] - part["start"]
+            shape = mk.const(f"{part['weight']}.shape3d", [n, q["nb"], q["block"] * q["bits"] // 8], np.int64)
+            part["reshape"] = mk.node("Reshape", [part["weight"], shape], f"{part['weight']}.3d")
+        return part["reshape"]
 
     new_nodes: dict[int, list] = {}
     extra_inits = []
@@ -313,7 +368,20 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
         first_use = q.get("used") is None
         q["used"] = True
         nm = m.node.name or m.node.output[0]
-        if m.role == "embedding":
+        if q["parts"]:
+            mk.nodes = []
+            if m.role == "embedding":
+                split_gather(mk, q["parts"], m.node.input[1], m.node.output[0], f"{nm}_embedq", q["bits"],
+                             q["block"])
+                op = "GatherBlockQuantized"
+            else:
+                for part in q["parts"]:
+                    reshape3d(q, part)
+                split_head(mk, q["parts"], m.node.input[0], m.node.output[0], f"{nm}_embedq", q["H"],
+                           q["bits"], q["block"], P.accuracy_level)
+                op = "MatMulNBits"
+            new_nodes[id(m.node)] = mk.nodes
+        elif m.role == "embedding":
             node = helper.make_node(
                 "GatherBlockQuantized", [q["weight"], m.node.input[1], q["scales"], q["zp"]],
                 list(m.node.output), name=fresh(f"{nm}_embedq"), domain=MS_DOMAIN,
@@ -342,7 +410,9 @@ def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, s
         module_name = head_modules.get(id(m.node), m.module) if m.role == "head" else m.module
         reports.append(OnnxModuleReport(
             module_name, m.module, op, m.node.name, m.init, q["label"], q["bits"], q["block"],
-            q["nb"], m.check, 0, q["bytes"] if first_use else 0))
+            q["nb"], m.check, 0, q["bytes"] if first_use else 0,
+            [{"rows": [p["start"], p["stop"]], "bytes": p["bytes"]} for p in q["parts"]]))
+    extra_inits.extend(mk.inits)
     return new_nodes, new_tensors, extra_inits, reports
 
 
@@ -421,10 +491,12 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
             "block_size": r.block_size, "replaced": r.replaced, "source_check": r.source_check,
             f"source_{algo}": (cfg["modules"][r.table].get("source") or {}).get(algo),
             **({"accuracy_level": P.accuracy_level} if r.op == "MatMulNBits" else {}),
+            **({"parts": [p["rows"] for p in r.parts]} if r.parts else {}),
         } for r in reports}, sort_keys=True),
         f"source_{algo}": json.dumps({m: (cfg["modules"][m].get("source") or {}).get(algo)
                                       for m in tables}, sort_keys=True),
         "scheme": json.dumps({m: P.ov.parsed.modules[m].scheme.label() for m in tables}, sort_keys=True),
+        **({"max_tensor_bytes": str(P.max_tensor_bytes)} if P.max_tensor_bytes is not None else {}),
     }
     props = [p for p in mp.metadata_props if not p.key.startswith(META_PREFIX)]
     del mp.metadata_props[:]
@@ -446,7 +518,7 @@ def _genai_provider(gcfg: dict) -> str:
 
 def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: bool | None,
                         force: bool, accuracy_level: int | None,
-                        execution_provider: str | None) -> OnnxReport:
+                        execution_provider: str | None, max_tensor_bytes: int | None = None) -> OnnxReport:
     """Patch the decoder of an onnxruntime-genai folder into ``out``, a complete folder."""
     import shutil
     # Everything of the folder is read or copied into the output: no link may lead out.
@@ -477,7 +549,8 @@ def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: b
     del mp
     out.mkdir(parents=True, exist_ok=True)
     report = _patch_file(model, ov_path, out / fname, external_data=external_data, force=force,
-                         accuracy_level=accuracy_level, execution_provider=ep)
+                         accuracy_level=accuracy_level, execution_provider=ep,
+                         max_tensor_bytes=max_tensor_bytes)
     if not in_place:
         for p in sorted(src.iterdir()):
             if p.resolve() in own or p.name.startswith("."):
