@@ -44,7 +44,11 @@ def quantize(path, bits: int | None = None, *, recipe=None, **options) -> Report
 
 def inspect(path, revision: str | None = None) -> dict:
     """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint folder or a
-    Hub id (``org/name``: config.json and safetensors headers only, no weights)."""
+    Hub id (``org/name``: config.json and safetensors headers only, no weights); for a GGUF
+    file, its tables and the size after :func:`gguf`."""
+    if str(path).endswith(".gguf") or os.path.isfile(path):
+        from embedq.backends.gguf import inspect_gguf
+        return inspect_gguf(path)
     from embedq.jobs.inspect import inspect_checkpoint
     return inspect_checkpoint(path, revision=revision)
 
@@ -100,6 +104,13 @@ def plan(path, gpu_mem="32GiB", **kwargs):
     return _plan(path, gpu_mem, **kwargs)
 
 
+def gguf(base, overlay, output, force: bool = False):
+    """A llama.cpp GGUF with the overlay's tables as Q8_0 / Q4_0, exactly (see
+    :func:`embedq.backends.gguf.transcode`)."""
+    from embedq.backends.gguf import transcode
+    return transcode(base, overlay, output, force=force)
+
+
 def _register_with_transformers() -> None:
     """Make ``AutoModel*.from_pretrained`` understand ``quant_method: embedq``.
 
@@ -124,4 +135,4 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 __all__ = ["quantize", "load", "evaluate", "plan", "inspect", "remove", "verify", "load_overlay", "push",
-           "apply", "Report", "ModuleReport", "EmbedqError", "__version__"]
+           "apply", "gguf", "Report", "ModuleReport", "EmbedqError", "__version__"]
