@@ -10,7 +10,6 @@ written to a temporary name and renamed; BASE and the overlay are only read.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import time
@@ -135,7 +134,7 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], bool, list[str]]:
     return jobs, not has_out, notes
 
 
-def _check(base: GGUFFile, m, job: _Job, where: str) -> float:
+def _check(base: GGUFFile, f, job: _Job, where: str) -> float:
     """The same-model check of one table, in row chunks (see :mod:`.check`)."""
     from gguf.quants import dequantize
     import torch
@@ -146,7 +145,8 @@ def _check(base: GGUFFile, m, job: _Job, where: str) -> float:
     start = base.data_start + info.offset
     for r0 in range(0, rows, CHUNK_ROWS):
         r1 = min(rows, r0 + CHUNK_ROWS)
-        raw = np.frombuffer(m, np.uint8, (r1 - r0) * row_bytes, start + r0 * row_bytes).reshape(r1 - r0, row_bytes)
+        f.seek(start + r0 * row_bytes)
+        raw = np.frombuffer(f.read((r1 - r0) * row_bytes), np.uint8).reshape(r1 - r0, row_bytes)
         g = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type), dtype=np.float32).reshape(r1 - r0, cols))
         o = job.table.dequantize(torch.float32, rows=slice(r0, r1))
         worst = max(worst, check_rows(where, job.tensor, g, gguf_rounding(raw, g, info.type), o,
@@ -179,8 +179,8 @@ def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str |
     ov = load_overlay(overlay)
     where = str(ov.parsed.where)
     jobs, tied, notes = _plan(info, ov, where)
-    with open(base, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        ratios = {j.tensor: _check(info, m, j, where) for j in jobs}
+    with open(base, "rb") as f:
+        ratios = {j.tensor: _check(info, f, j, where) for j in jobs}
         size = _write(info, f, {j.tensor: j for j in jobs}, output)
     tables = []
     for j in jobs:
