@@ -11,20 +11,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from ggufutil import llamacpp_entry, write_llama_gguf  # noqa: E402
-
-FLAGS8 = ["--bits", "8", "--group-size", "32", "--scale-dtype", "float16"]
-FLAGS4 = ["--bits", "4", "--group-size", "32", "--scale-dtype", "float16"]
-
-
-def quantize_cli(model: Path, out: Path, *flags: str) -> Path:
-    from typer.testing import CliRunner
-
-    from embedq.cli import app
-    res = CliRunner().invoke(app, ["quantize", str(model), *flags, "-o", str(out), "--overlay-only", "-q"])
-    assert res.exit_code == 0, res.output
-    return out
-
+from ggufutil import FLAGS4, FLAGS8, llamacpp_entry, quantize_cli, write_llama_gguf  # noqa: E402
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
@@ -37,6 +24,23 @@ def gemma_gguf() -> Path:
         gg.assemble(tmp, overwrite=True)  # checks the sha256
         os.replace(tmp, target)
     return target
+
+
+@pytest.fixture(scope="session")
+def gemma_overlays(gemma3_270m, tmp_path_factory):
+    """Gemma 3 270M overlays GGUF holds exactly: {8: int8 g32, 4: Q4 g32} (rtn, float16 scales)."""
+    root = tmp_path_factory.mktemp("gemma-gguf-ov")
+    return {8: quantize_cli(gemma3_270m, root / "q8", *FLAGS8),
+            4: quantize_cli(gemma3_270m, root / "q4", *FLAGS4)}
+
+
+@pytest.fixture(scope="session")
+def gemma_outs(gemma_gguf, gemma_overlays, tmp_path_factory):
+    """BASE with each overlay's table: {bits: OUT path}."""
+    import embedq
+    root = tmp_path_factory.mktemp("gemma-gguf-out")
+    return {b: embedq.gguf(gemma_gguf, ov, root / f"gemma-q{b}.gguf").output
+            for b, ov in gemma_overlays.items()}
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests" / "js" / "llamacpp" / "generate.mjs"
+FLAGS8 = ["--bits", "8", "--group-size", "32", "--scale-dtype", "float16"]
+FLAGS4 = ["--bits", "4", "--group-size", "32", "--scale-dtype", "float16"]
+
+
+def quantize_cli(model: Path, out: Path, *flags: str) -> Path:
+    from typer.testing import CliRunner
+
+    from embedq.cli import app
+    res = CliRunner().invoke(app, ["quantize", str(model), *flags, "-o", str(out), "--overlay-only", "-q"])
+    assert res.exit_code == 0, res.output
+    return out
 
 
 def tiny_vocab(n: int) -> tuple[list[str], list[float], list[int]]:

@@ -12,10 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import FLAGS4, quantize_cli
 from ckptutil import snapshot
 from embedq.cli import app
-from ggufutil import assert_transcoded, dequantized, same_bits, swap_q4_0_nibbles, tensors
+from ggufutil import FLAGS4, assert_transcoded, quantize_cli, swap_q4_0_nibbles
 
 runner = CliRunner()
 BOTH = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}
