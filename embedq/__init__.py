@@ -81,7 +81,11 @@ def quantize(path: str | os.PathLike, bits: int | None = None, *,
 def inspect(path: str | os.PathLike, revision: str | None = None) -> "InspectResult":
     """Targets, tie status and bytes now / after int8 / after Q4 for a checkpoint folder or a
     Hub id (``org/name``: config.json and safetensors headers only, no weights): an
-    :class:`embedq.jobs.inspect.InspectResult` (``.to_dict()``: what ``--json`` prints)."""
+    :class:`embedq.jobs.inspect.InspectResult` (``.to_dict()``: what ``--json`` prints); for a
+    GGUF file, its tables and the size after :func:`gguf`."""
+    if str(path).endswith(".gguf") or os.path.isfile(path):
+        from embedq.backends.gguf import inspect_gguf
+        return inspect_gguf(path)
     from embedq.jobs.inspect import inspect_checkpoint
     return inspect_checkpoint(path, revision=revision)
 
@@ -158,6 +162,13 @@ def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str
                  gdn_checkpoints=gdn_checkpoints, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
 
 
+def gguf(base, overlay, output, force: bool = False):
+    """A llama.cpp GGUF with the overlay's tables as Q8_0 / Q4_0, exactly (see
+    :func:`embedq.backends.gguf.transcode`)."""
+    from embedq.backends.gguf import transcode
+    return transcode(base, overlay, output, force=force)
+
+
 def _register_with_transformers() -> None:
     """Make ``AutoModel*.from_pretrained`` understand ``quant_method: embedq``.
 
@@ -182,4 +193,4 @@ def _register_with_transformers() -> None:
 _register_with_transformers()
 
 __all__ = ["quantize", "load", "evaluate", "plan", "inspect", "remove", "verify", "load_overlay", "push",
-           "apply", "Report", "ModuleReport", "EmbedqError", "__version__"]
+           "apply", "gguf", "Report", "ModuleReport", "EmbedqError", "__version__"]

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from embedq.cli import gguf as gguf_verbs
 from embedq.cli import onnx as onnx_verbs
 from embedq.cli import publish as publish_verbs
 from embedq.cli import quality as quality_verbs
@@ -85,7 +86,9 @@ def inspect(model: str = typer.Argument(..., help="Checkpoint folder, or a Hub i
                                         "config.json and safetensors headers only, no weights)"),
             revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, tag or commit"),
             as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show targets, tie status and bytes now / after int8 / after Q4."""
+    """Show targets, tie status and bytes now / after int8 / after Q4 (of a GGUF file too)."""
+    if gguf_verbs.is_gguf_path(model):  # llama.cpp's file: embedq/cli/gguf.py
+        return gguf_verbs.inspect(model, as_json)
     from embedq.jobs.inspect import format_inspect, inspect_checkpoint
     r = run(inspect_checkpoint, model, revision=revision)
     typer.echo(json.dumps(r.to_dict(), indent=2) if as_json else format_inspect(r))
@@ -122,6 +125,7 @@ def demo(
 # Verbs of the back ends and the publishing / quality layers, each registering its commands
 # (their heavy imports stay inside the command bodies).
 onnx_verbs.register(app)
+gguf_verbs.register(app)
 quality_verbs.register(app)
 publish_verbs.register(app)
 

@@ -1,0 +1,255 @@
+"""``embedq gguf``: a GGUF whose token embedding (and output head) hold an overlay's tables.
+
+OUT is BASE with ``token_embd.weight`` — and ``output.weight`` where the overlay has a
+separate head, or where BASE has one and the overlay's head reads the embedding — holding
+the overlay's codes and scales as Q8_0 / Q4_0 blocks (a re-layout, nothing re-rounded).
+The key/value section is copied verbatim and every other tensor byte for byte, in chunks
+(BASE is never read into memory). A tied BASE (no ``output.weight``) stays tied. OUT is
+written to a temporary name and renamed; BASE and the overlay are only read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from embedq.backends.gguf.blocks import BITS_TYPE, BLOCK_BYTES, QK, encode
+from embedq.backends.gguf.check import check_rows, gguf_rounding
+from embedq.backends.gguf.container import GGUFError, GGUFFile, read_gguf, tensor_nbytes
+from embedq.errors import OverlayError, SchemeError
+from embedq.format.constants import is_head_name
+
+EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+EXACT_FLAGS = "`--bits 8 --group-size 32 --scale-dtype float16` or `--bits 4 --group-size 32 --scale-dtype float16`"
+CHUNK_ROWS = 16384
+COPY_CHUNK = 16 << 20
+
+
+@dataclass
+class GGUFTableReport:
+    tensor: str
+    module: str
+    shape: list[int]            # [rows, cols]
+    type_before: str
+    type_after: str
+    bytes_before: int
+    bytes_after: int
+    scheme: str
+    check_ratio: float          # worst distance / bound of the same-model check (<= 1)
+
+
+@dataclass
+class GGUFReport:
+    base: str
+    output: str
+    tables: list[GGUFTableReport]
+    tied: bool
+    bytes_before: int
+    bytes_after: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        import json
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        fmt = "{:<18} {:<22} {:<12} {:<6} {:<6} {:>9} {:>9}"
+        lines = [fmt.format("tensor", "from module", "shape", "was", "now", "MB was", "MB now")]
+        for t in self.tables:
+            lines.append(fmt.format(t.tensor, t.module, "x".join(map(str, t.shape)), t.type_before,
+                                    t.type_after, f"{t.bytes_before / 1e6:.1f}", f"{t.bytes_after / 1e6:.1f}"))
+        lines.append(f"{self.output}: {self.bytes_after / 1e6:.1f} MB (base {self.bytes_before / 1e6:.1f} MB), "
+                     f"tied={self.tied}")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def gguf_type_for(scheme, cols: int, where: str, module: str) -> int:
+    """The ggml type holding ``scheme`` exactly (Q8_0 / Q4_0), or a SchemeError naming the
+    flags that make one."""
+    g = scheme.group_size if scheme.group_size is not None else cols
+    if scheme.symmetric and scheme.scale_dtype == "float16" and g % QK == 0 and cols % QK == 0:
+        return BITS_TYPE[scheme.bits]
+    why = ("asymmetric (GGUF's Q8_0/Q4_0 have no zero points)" if not scheme.symmetric else
+           f"{scheme.scale_dtype} scales (Q8_0/Q4_0 store float16)" if scheme.scale_dtype != "float16"
+           else f"groups of {g} (Q8_0/Q4_0 need a multiple of 32)")
+    raise SchemeError(f"{where}: module {module} is {scheme.label()}, {why}: GGUF cannot hold it "
+                      f"exactly; quantize with {EXACT_FLAGS}")
+
+
+@dataclass
+class _Job:
+    tensor: str        # GGUF tensor name
+    module: str        # overlay module whose table it takes
+    table: object      # QuantizedTable
+    scheme: object
+    ggml_type: int
+    source_dtype: str | None
+
+
+def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], bool, list[str]]:
+    cfg = ov.parsed
+    emb = [m for m in cfg.modules.values() if m.role == "embedding"]
+    if len(emb) != 1:
+        raise OverlayError(f"{where}: {len(emb)} embedding tables; a GGUF has one (token_embd)")
+    heads = [m for m in cfg.modules.values() if m.role == "head"]
+    tied_to = [a for a, o in cfg.aliases.items() if o == emb[0].name and is_head_name(a)]
+    notes = [f"module {m.name} ({m.role}) has no GGUF tensor: left out"
+             for m in cfg.modules.values() if m.role not in ("embedding", "head")]
+    pairs = [(EMBEDDING, emb[0])]
+    has_out = base.tensor(OUTPUT) is not None
+    if heads:
+        if not has_out:
+            raise OverlayError(f"{where}: the overlay has a separate head ({heads[0].name}) but "
+                               f"{base.path} is tied (no {OUTPUT}): an overlay of another model")
+        pairs.append((OUTPUT, heads[0]))
+    elif tied_to and has_out:
+        pairs.append((OUTPUT, emb[0]))  # BASE stores the tied head twice: keep both the same
+    elif has_out:
+        notes.append(f"{OUTPUT} kept as in the base (the overlay does not quantize the head)")
+    jobs = []
+    for tensor, m in pairs:
+        info = base.tensor(tensor)
+        if info is None:
+            raise GGUFError(f"{base.path}: no {tensor} tensor (not a language model GGUF?)")
+        rows, cols = m.shape
+        if info.dims != (cols, rows):
+            raise OverlayError(f"{where}: module {m.name} is {rows}x{cols}, {base.path}'s {tensor} is "
+                               f"{info.dims[-1] if len(info.dims) == 2 else list(info.dims)}x{info.dims[0]} "
+                               "(ggml ne order [cols, rows]): an overlay of another model")
+        jobs.append(_Job(tensor, m.name, ov.tables[m.name], m.scheme,
+                         gguf_type_for(m.scheme, cols, where, m.name), m.source.dtype))
+    return jobs, not has_out, notes
+
+
+def _check(base: GGUFFile, f, job: _Job, where: str) -> float:
+    """The same-model check of one table, in row chunks (see :mod:`.check`)."""
+    from gguf.quants import dequantize
+    import torch
+    info = base.tensor(job.tensor)
+    rows, cols = job.table.shape
+    row_bytes = info.nbytes // rows
+    worst = 0.0
+    start = base.data_start + info.offset
+    for r0 in range(0, rows, CHUNK_ROWS):
+        r1 = min(rows, r0 + CHUNK_ROWS)
+        f.seek(start + r0 * row_bytes)
+        raw = np.frombuffer(f.read((r1 - r0) * row_bytes), np.uint8).reshape(r1 - r0, row_bytes)
+        g = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type), dtype=np.float32).reshape(r1 - r0, cols))
+        o = job.table.dequantize(torch.float32, rows=slice(r0, r1))
+        worst = max(worst, check_rows(where, job.tensor, g, gguf_rounding(raw, g, info.type), o,
+                                      job.table.scale[r0:r1], job.scheme.bits, job.scheme.method,
+                                      job.source_dtype, r0))
+    return worst
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str | os.PathLike,
+              force: bool = False) -> GGUFReport:
+    """Write OUT = BASE with the overlay's tables (see the module doc); refusals are one-line
+    :class:`~embedq.errors.EmbedqError`\\ s and leave nothing behind."""
+    from embedq.format.reader import load_overlay
+    t0 = time.time()
+    base, overlay, output = Path(base), Path(overlay), Path(output)
+    if _same_file(base, output):
+        raise GGUFError(f"{output}: is the base GGUF itself; write the result to another file")
+    if output.is_dir():
+        raise GGUFError(f"{output}: is a folder; name the GGUF file to write")
+    if (output.exists() or output.is_symlink()) and not force:
+        raise GGUFError(f"{output}: exists (pass --force to replace it)")
+    info = read_gguf(base)
+    ov = load_overlay(overlay)
+    where = str(ov.parsed.where)
+    jobs, tied, notes = _plan(info, ov, where)
+    with open(base, "rb") as f:
+        ratios = {j.tensor: _check(info, f, j, where) for j in jobs}
+        size = _write(info, f, {j.tensor: j for j in jobs}, output)
+    tables = []
+    for j in jobs:
+        t = info.tensor(j.tensor)
+        tables.append(GGUFTableReport(j.tensor, j.module, list(j.table.shape), t.type_name,
+                                      {8: "Q8_0", 2: "Q4_0"}[j.ggml_type], t.nbytes,
+                                      tensor_nbytes(t.dims, j.ggml_type), j.scheme.label(),
+                                      round(ratios[j.tensor], 4)))
+    return GGUFReport(str(base), str(output), tables, tied, info.size, size,
+                      round(time.time() - t0, 2), notes)
+
+
+def _string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _write(info: GGUFFile, f, jobs: dict[str, _Job], output: Path) -> int:
+    """Header, verbatim key/values, new tensor infos, then each tensor's data (aligned)."""
+    from embedq.format.writer import fsync_dir
+    a = info.alignment
+    types = {t.name: (jobs[t.name].ggml_type if t.name in jobs else t.type) for t in info.tensors}
+    offsets, want = info.layout(types)
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "wb") as out:
+            f.seek(0)
+            out.write(f.read(info.kv_span[0]))            # magic, version, counts: unchanged
+            _copy(f, out, info.kv_span[0], info.kv_span[1] - info.kv_span[0])
+            for t in info.tensors:
+                out.write(_string(t.name) + struct.pack(f"<I{len(t.dims)}QIQ", len(t.dims), *t.dims,
+                                                        types[t.name], offsets[t.name]))
+            out.write(b"\0" * (-out.tell() % a))
+            data0 = out.tell()
+            assert data0 == info.header_bytes()
+            for t in sorted(info.tensors, key=lambda t: t.offset):
+                out.write(b"\0" * (data0 + offsets[t.name] - out.tell()))
+                if t.name in jobs:
+                    _write_table(out, jobs[t.name])
+                else:
+                    _copy(f, out, info.data_start + t.offset, t.nbytes)
+            out.write(b"\0" * (-(out.tell() - data0) % a))
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+            assert size == want, (size, want)
+        os.replace(tmp, output)
+        fsync_dir(output.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _copy(f, out, start: int, n: int) -> None:
+    f.seek(start)
+    while n > 0:
+        b = f.read(min(n, COPY_CHUNK))
+        if not b:
+            raise GGUFError(f"{f.name}: truncated while copying")
+        out.write(b)
+        n -= len(b)
+
+
+def _write_table(out, job: _Job) -> None:
+    rows, _ = job.table.shape
+    for r0 in range(0, rows, CHUNK_ROWS):
+        sl = slice(r0, min(rows, r0 + CHUNK_ROWS))
+        out.write(encode(job.table.codes(sl), job.table.scale[sl], job.ggml_type).tobytes())
+
+
+__all__ = ["GGUFReport", "GGUFTableReport", "transcode", "gguf_type_for", "EXACT_FLAGS", "BLOCK_BYTES"]

@@ -1,0 +1,35 @@
+"""``embedq gguf`` on the real Gemma 3 270M GGUF (token_embd Q8_0 [640, 262144], tied):
+gguf-py's dequantization of OUT's token_embd equals embedq's decoding of the overlay bit
+for bit, every other tensor and key is BASE's, tied stays tied."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ggufutil import FLAGS4, FLAGS8, assert_transcoded, quantize_cli, tensors
+
+pytestmark = pytest.mark.slow
+EMB = {"token_embd.weight": "model.embed_tokens"}
+
+
+@pytest.mark.parametrize("bits,ggml", [(8, "Q8_0"), (4, "Q4_0")])
+def test_gemma_rtn_exact(gemma_gguf, gemma_overlays, gemma_outs, bits, ggml):
+    out = gemma_outs[bits]
+    t = tensors(out)
+    assert "output.weight" not in t  # tied stays tied
+    assert t["token_embd.weight"].tensor_type.name == ggml
+    assert_transcoded(gemma_gguf, out, gemma_overlays[bits], EMB)
+    if bits == 4:
+        assert os.path.getsize(out) < 0.7 * os.path.getsize(gemma_gguf)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemma_gptq_exact(gemma3_270m, gemma_gguf, tmp_path, bits):
+    """A gptq table keeps its codes (one calibration run of the float model: ~40 s idle)."""
+    ov = quantize_cli(gemma3_270m, tmp_path / "ov", *(FLAGS8 if bits == 8 else FLAGS4), "--method", "gptq")
+    import embedq
+    out = embedq.gguf(gemma_gguf, ov, tmp_path / "out.gguf")
+    assert out.tables[0].scheme.endswith("gptq")
+    assert_transcoded(gemma_gguf, tmp_path / "out.gguf", ov, EMB)
