@@ -38,6 +38,9 @@ main_suite() {
     # (set -e does not apply inside a function run as `timed`: each step returns on failure.)
     "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]" || return
     "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null || return
+    # the real clients the main suite drives (installed in the background, see below)
+    local s
+    for s in aarch64 webgpu llamacpp transformersjs; do await_setup "$s"; done
     local rc=0
     "$VENV/bin/python" -m pytest tests --durations=10 "$@" || rc=$?
     if [ $rc -eq 5 ]; then
@@ -61,6 +64,12 @@ await_setup() {  # await_setup NAME: wait for its background build (its log on f
     [ -n "$pid" ] || return 0
     wait "$pid" || { echo "test.sh: $1 setup failed; its log:" >&2; tail -n 20 "$CACHE/logs/$1.log" >&2; }
 }
+# Real clients of the main suite: qemu-user + an aarch64 gcc (portable kernel), ORT's
+# WebGPU EP on SwiftShader, node-llama-cpp, transformers.js. Each is idempotent and cached.
+background_setup aarch64 scripts/setup_aarch64.sh
+background_setup webgpu scripts/setup_webgpu.sh
+background_setup llamacpp scripts/setup_llamacpp.sh
+background_setup transformersjs tests/js/setup.sh
 if [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then
     background_setup vllm-venv scripts/setup_vllm_venv.sh
     [ -n "${EMBEDQ_SKIP_VLLMCPU_SUITE:-}" ] || background_setup vllmcpu-venv scripts/setup_vllmcpu_venv.sh
