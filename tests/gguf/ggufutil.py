@@ -96,16 +96,29 @@ def write_llama_gguf(hf_dir: Path, out: Path, table_type: str = "Q8_0") -> Path:
     return out
 
 
+_READERS: dict = {}
+
+
+def _reader(path: Path):
+    """One gguf-py reader per file version: parsing Gemma's 262k-token vocabulary takes
+    minutes on a loaded 2-core machine, and each check reads BASE and OUT twice. Keyed by
+    (path, size, mtime) so a file rewritten in place (the nibble-swap test) is re-read."""
+    from gguf import GGUFReader
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _READERS:
+        _READERS[key] = GGUFReader(str(path))
+    return _READERS[key]
+
+
 def tensors(path: Path) -> dict:
     """name -> gguf-py ReaderTensor (memory-mapped)."""
-    from gguf import GGUFReader
-    return {t.name: t for t in GGUFReader(str(path)).tensors}
+    return {t.name: t for t in _reader(path).tensors}
 
 
 def fields(path: Path) -> dict[str, list[bytes]]:
     """Every metadata entry's raw parts (key, type and value bytes)."""
-    from gguf import GGUFReader
-    return {k: [bytes(p) for p in f.parts] for k, f in GGUFReader(str(path)).fields.items()
+    return {k: [bytes(p) for p in f.parts] for k, f in _reader(path).fields.items()
             if not k.startswith("GGUF.")}
 
 
