@@ -33,9 +33,13 @@ def test_identity_overlay_has_zero_kld(model_factory):
     rep = embedq.quantize(src, bits=8, progress=False)
     assert rep.modules[0].max_abs_error == 0.0
     r = embedq.evaluate(src, tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False)
-    assert r.mean_kld == 0.0 and r.kld_max == 0.0 and r.kld_ci95 == (0.0, 0.0)
+    # The table is exact, so the only difference left is the head kernel's float32 summation
+    # order (the native CPU kernels sum in another order than F.linear): logits differ by
+    # ~K * 2^-24 * sum|x*w| (~1e-6 here), and KLD is second order in that: <= ~1e-12.
+    assert 0.0 <= r.mean_kld <= 1e-12 and 0.0 <= r.kld_max <= 1e-12
+    assert max(abs(c) for c in r.kld_ci95) <= 1e-12
     assert r.same_top1 == 100.0
-    assert r.delta_ppl == 0.0 and r.ppl_reference == r.ppl_quantized
+    assert abs(r.ppl_reference - r.ppl_quantized) <= 1e-5 * r.ppl_reference
     assert r.tokens == 3 * 7
 
 

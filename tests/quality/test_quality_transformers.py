@@ -17,7 +17,7 @@ from embedq.errors import OverlayError
 from embedq.format.codec import QuantizedTable
 from embedq.format.scheme import Scheme
 from embedq.quant.rtn import quantize_rtn
-from qualutil import (assert_logits_match, assert_model_logits_match, assert_same_greedy,
+from qualutil import (assert_logits_match, logit_bound, assert_model_logits_match, assert_same_greedy,
                       dequantized_reference, overlay_tensor_bytes)
 
 IDS = torch.tensor([[1, 5, 7, 9, 11, 200, 3, 4, 5, 6, 7, 8, 9, 10, 250, 2]])
@@ -94,8 +94,12 @@ def test_head_chunks_match_one_matmul(model_factory):
     with torch.no_grad():
         assert_logits_match(head(h), full, h, w)
     with torch.no_grad():
-        assert torch.equal(head.table.linear(h.float(), None, 96), torch.nn.functional.linear(
-            h.float(), head.table.dequantize(torch.float32)))
+        # float32 activations: the chunked reference is bit-equal to one matmul, a native CPU
+        # kernel (the route a supported CPU serves float32 with) equal up to summation order.
+        w32 = head.table.dequantize(torch.float32)
+        a = head.table.linear(h.float(), None, 96)
+        b = torch.nn.functional.linear(h.float(), w32)
+        assert ((a - b).abs() <= logit_bound(h.float(), w32, a, b)).all()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
