@@ -316,7 +316,8 @@ def test_compressed_tensors_config_refusals():
             "tie_word_embeddings": False, "base_quantization_config": None,
             "modules": {"model.embed_tokens": {"num_bits": 8, "type": "int", "symmetric": True,
                                                "strategy": "channel", "group_size": None,
-                                               "scale_dtype": "bfloat16", "shape": [8, 64]}}}
+                                               "scale_dtype": "bfloat16", "shape": [8, 64],
+                                               "source": {"tensor": "model.embed_tokens.weight"}}}}
     ct = ev.compressed_tensors_config(base)
     assert ct["config_groups"]["group_0"]["targets"] == ["Embedding"]
     tied = dict(base, tie_word_embeddings=True, aliases={"lm_head": "model.embed_tokens"})

@@ -39,8 +39,11 @@ def _upstream(e: BaseException, path: Path) -> str | None:
     optional package vLLM imports, or the generic tiny multimodal build (a vision tower
     without its processor), which vLLM cannot build before the embedding is reached."""
     import traceback
+    import embedq
     frames = traceback.extract_tb(e.__traceback__)
-    if not frames or f"{os.sep}embedq{os.sep}" in frames[-1].filename:
+    # embedq's package folder, not any path with "embedq" in it (the venvs live in ~/.cache/embedq)
+    pkg = str(Path(embedq.__file__).resolve().parent) + os.sep
+    if not frames or str(Path(frames[-1].filename).resolve()).startswith(pkg):
         return None  # raised by embedq's own code
     m = MISSING_OP.search(str(e))
     if isinstance(e, AttributeError) and m:
