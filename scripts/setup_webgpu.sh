@@ -28,8 +28,15 @@ if [[ ! -f "$MARKER" ]]; then
     log "onnxruntime-ep-webgpu==$EP_VERSION -> $ROOT/site"
     "$PY" -m pip install -q --no-deps --target "$ROOT/site" "onnxruntime-ep-webgpu==$EP_VERSION" >&2
     log "apt-get download libvulkan1 chromium-common (unpacked, not installed)"
-    (cd "$ROOT/deb" && apt-get download libvulkan1 chromium-common >&2 2>"$ROOT/deb/apt.log") || {
-        cat "$ROOT/deb/apt.log" >&2; log "error: apt-get download failed (run apt-get update?)"; exit 1; }
+    # a fresh machine may have no apt lists yet, and scripts/setup_aarch64.sh may hold the
+    # apt lock at the same moment: refresh the lists and retry a few times before failing
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    for try in 1 2 3 4 5; do
+        (cd "$ROOT/deb" && apt-get download libvulkan1 chromium-common >&2 2>"$ROOT/deb/apt.log") && break
+        [ "$try" = 5 ] && { cat "$ROOT/deb/apt.log" >&2; log "error: apt-get download failed 5 times"; exit 1; }
+        log "apt-get download failed (try $try): refreshing the apt lists"
+        $SUDO apt-get update -qq >&2 || sleep 15
+    done
     for d in "$ROOT"/deb/*.deb; do dpkg-deb -x "$d" "$ROOT/root"; done
     # keep only what is used: the loader and SwiftShader (chromium-common is ~100 MB unpacked)
     mkdir -p "$ROOT/lib"

@@ -37,6 +37,8 @@ main_suite() {
     # installs from local disk.
     # (set -e does not apply inside a function run as `timed`: each step returns on failure.)
     "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]" || return
+    # the WebGPU set-up checks its EP with the venv's onnxruntime: it starts once that exists
+    background_setup webgpu scripts/setup_webgpu.sh
     "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null || return
     # the real clients the main suite drives (installed in the background, see below)
     local s
@@ -53,6 +55,9 @@ main_suite() {
 # The engines' venvs build (network and disk, little CPU) while the main suite runs; each
 # suite script calls its setup again, which then only reuses the venv (or shows its error).
 mkdir -p "$CACHE/logs"
+# A real client (WebGPU, transformers.js, node-llama-cpp, genai, aarch64 qemu) that cannot be
+# set up fails its tests here instead of skipping them (tests/clients.py).
+export EMBEDQ_REQUIRE_CLIENTS=1
 declare -A SETUP_PID=()
 background_setup() {  # background_setup NAME SCRIPT
     [ -x "$2" ] || return 0
@@ -64,10 +69,10 @@ await_setup() {  # await_setup NAME: wait for its background build (its log on f
     [ -n "$pid" ] || return 0
     wait "$pid" || { echo "test.sh: $1 setup failed; its log:" >&2; tail -n 20 "$CACHE/logs/$1.log" >&2; }
 }
-# Real clients of the main suite: qemu-user + an aarch64 gcc (portable kernel), ORT's
-# WebGPU EP on SwiftShader, node-llama-cpp, transformers.js. Each is idempotent and cached.
+# Real clients of the main suite: qemu-user + an aarch64 gcc (portable kernel), node-llama-cpp,
+# transformers.js (and ORT's WebGPU EP on SwiftShader, started in main_suite once the venv
+# exists). Each is idempotent and cached; its log is $CACHE/logs/NAME.log.
 background_setup aarch64 scripts/setup_aarch64.sh
-background_setup webgpu scripts/setup_webgpu.sh
 background_setup llamacpp scripts/setup_llamacpp.sh
 background_setup transformersjs tests/js/setup.sh
 if [ -z "${EMBEDQ_SKIP_VLLM_SUITE:-}" ]; then

@@ -8,9 +8,13 @@ that changes a byte fails here. ``EMBEDQ_PIN_RECORD=1`` prints the table instead
 (only for a deliberate format change, said in the commit).
 
 RTN is elementwise IEEE arithmetic, the same on every CPU. ``mse`` and ``gptq`` sum
-float errors, whose order follows the vector width (and BLAS, for gptq): their digests
-hold for the CPU capability they were recorded on and are skipped, with that reason, on
-another.
+float errors: ATen's vectorized reductions add in an order set by the vector width of the
+capability torch dispatches to (``default`` and ``avx2`` are both 8 float lanes, ``avx512``
+16), and gptq's matmuls and Cholesky go through MKL, whose code path follows the CPU. So
+their digests are pinned per torch CPU capability, and every capability this CPU can run is
+checked in a subprocess with ``ATEN_CPU_CAPABILITY`` set and MKL held to the same branch
+(``MKL_CBWR``): an AVX-512 machine checks the ``avx2`` and ``default`` pins too.
+Record a capability's pins with ``EMBEDQ_PIN_RECORD=1 python tests/test_scheme_pins.py CAP``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +35,6 @@ from safetensors.torch import save_file
 import embedq
 
 ROWS, COLS = 37, 128  # 37 rows: 4-bit zero points pad their last int32 word
-RECORDED_ON = "AVX2"  # torch.backends.cpu.get_cpu_capability() where mse/gptq were recorded
 
 
 def _table(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -65,9 +72,10 @@ for _sd in ("float32", "float16"):
     for _bits, _g in ((8, 64), (8, 0), (4, 32)):
         for _sym in (True, False):
             CASES.append(dict(bits=_bits, group_size=_g, symmetric=_sym, scale_dtype=_sd))
+FLOAT_CASES = []  # float-summing methods: pinned per torch CPU capability (module docstring)
 for _m in ("mse", "gptq"):
     for _bits, _g, _sym in ((8, 64, True), (4, 32, True), (4, 32, False)):
-        CASES.append(dict(bits=_bits, group_size=_g, symmetric=_sym, method=_m))
+        FLOAT_CASES.append(dict(bits=_bits, group_size=_g, symmetric=_sym, method=_m))
 CASES.append(dict(bits=8, group_size=64, symmetric=True, source="float16"))
 CASES.append(dict(bits=4, group_size=32, symmetric=False, source="float32"))
 
@@ -99,20 +107,31 @@ PINS: dict[str, str] = {
     'bits=8-group_size=0-symmetric=False-scale_dtype=float16': 'a8d5731b8b2a150504d02b7439030783',
     'bits=4-group_size=32-symmetric=True-scale_dtype=float16': '3f53979b8e2337acbba72c5a988ef032',
     'bits=4-group_size=32-symmetric=False-scale_dtype=float16': '92276434f085dd91dc2fda21702c89b7',
-    'bits=8-group_size=64-symmetric=True-method=mse': '1733cf07dd1def2073196e95667f5b21',
-    'bits=4-group_size=32-symmetric=True-method=mse': 'f2f40195f509ecccad174f339ec0adab',
-    'bits=4-group_size=32-symmetric=False-method=mse': 'd0b3065145e28b197b4c9e1a8a962eed',
-    'bits=8-group_size=64-symmetric=True-method=gptq': 'dce961515fe15430883813d52af75e14',
-    'bits=4-group_size=32-symmetric=True-method=gptq': 'afeed6946a796c5b7f59effe80bba446',
-    'bits=4-group_size=32-symmetric=False-method=gptq': 'e5294ba2449f19491c49616e69c9abe8',
     'bits=8-group_size=64-symmetric=True-source=float16': '0393903fb674c3a98562c290ccd8a4e7',
     'bits=4-group_size=32-symmetric=False-source=float32': '707f300dc0df9cfe93ce65bfbda9f8c9',
 }
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pins")
+# mse/gptq per torch capability (``ATEN_CPU_CAPABILITY``), with the MKL branch held to match.
+# default and avx2 recorded on an AMD EPYC (Zen 3, AVX2): identical to each other (8 lanes
+# both) and to the single-capability pins recorded before; avx512 is not recorded yet.
+CAPABILITIES = {  # capability -> (CPU flags it needs, MKL_CBWR branch)
+    "default": (set(), "COMPATIBLE"),
+    "avx2": ({"avx2", "fma"}, "AVX2"),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "AVX512"),
+}
+_AVX2_PINS = {
+        'bits=8-group_size=64-symmetric=True-method=mse': '1733cf07dd1def2073196e95667f5b21',
+        'bits=4-group_size=32-symmetric=True-method=mse': 'f2f40195f509ecccad174f339ec0adab',
+        'bits=4-group_size=32-symmetric=False-method=mse': 'd0b3065145e28b197b4c9e1a8a962eed',
+        'bits=8-group_size=64-symmetric=True-method=gptq': 'dce961515fe15430883813d52af75e14',
+        'bits=4-group_size=32-symmetric=True-method=gptq': 'afeed6946a796c5b7f59effe80bba446',
+        'bits=4-group_size=32-symmetric=False-method=gptq': 'e5294ba2449f19491c49616e69c9abe8',
+}
+FLOAT_PINS: dict[str, dict[str, str]] = {"default": dict(_AVX2_PINS), "avx2": dict(_AVX2_PINS)}
+
+
+def _pristine(root: Path) -> dict[str, Path]:
     out = {}
     for src in ("bfloat16", "float16", "float32"):
         p = root / src
@@ -127,6 +146,11 @@ def pristine(tmp_path_factory):
                   p / "model.safetensors", metadata={"format": "pt"})
         out[src] = p
     return out
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return _pristine(tmp_path_factory.mktemp("pins"))
 
 
 def _digest(case: dict, pristine, tmp_path) -> str:
@@ -151,13 +175,60 @@ def test_overlay_bytes_pinned(case, pristine, tmp_path):
     if os.environ.get("EMBEDQ_PIN_RECORD") == "1":
         print(f"PIN {key!r}: {got!r},")
         return
-    if case.get("method") in ("mse", "gptq"):
-        cap = torch.backends.cpu.get_cpu_capability()
-        if cap != RECORDED_ON:
-            pytest.skip(f"{case['method']} digests recorded on {RECORDED_ON}; this CPU runs {cap} "
-                        "(float sums ordered by vector width)")
     assert got == PINS[key], f"overlay bytes of {key} changed"
+
+
+def _float_digests() -> dict[str, str]:
+    """The mse/gptq digests in this process (its ATEN_CPU_CAPABILITY / MKL_CBWR)."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "src").mkdir()
+        pristine = _pristine(Path(d) / "src")
+        out = {}
+        for i, c in enumerate(FLOAT_CASES):
+            (Path(d) / str(i)).mkdir()
+            out[_case_id(c)] = _digest(c, pristine, Path(d) / str(i))
+        return out
+
+
+def _cpu_lacks(flags: set[str]) -> set[str]:
+    """Of ``flags``, those /proc/cpuinfo does not list (the real CPU, not EMBEDQ_CPU_FEATURES)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set(flags)
+    have = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    return flags - have
+
+
+@pytest.mark.parametrize("capability", sorted(CAPABILITIES))
+def test_float_method_bytes_pinned(capability):
+    """mse/gptq digests under every torch capability this CPU can run (module docstring)."""
+    needs, branch = CAPABILITIES[capability]
+    if _cpu_lacks(needs):
+        pytest.skip(f"this CPU lacks {sorted(_cpu_lacks(needs))} for ATEN_CPU_CAPABILITY={capability}")
+    if capability not in FLOAT_PINS:
+        pytest.skip(f"no {capability} pins recorded yet: EMBEDQ_PIN_RECORD=1 python tests/test_scheme_pins.py "
+                    f"{capability} on a CPU with {sorted(needs)}, then add them to FLOAT_PINS")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, MKL_CBWR=branch)
+    env.pop("EMBEDQ_PIN_RECORD", None)
+    p = subprocess.run([sys.executable, __file__, capability], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got.pop("__capability__") == capability.upper()  # torch really dispatched to it
+    changed = {k: v for k, v in got.items() if v != FLOAT_PINS[capability][k]}
+    assert not changed, f"overlay bytes changed under ATEN_CPU_CAPABILITY={capability}: {sorted(changed)}"
 
 
 def test_every_case_pinned():
     assert sorted(PINS) == sorted(_case_id(c) for c in CASES)
+    for cap, pins in FLOAT_PINS.items():
+        assert sorted(pins) == sorted(_case_id(c) for c in FLOAT_CASES), cap
+
+
+if __name__ == "__main__":  # python tests/test_scheme_pins.py CAPABILITY: that capability's digests
+    digests = _float_digests()
+    if os.environ.get("EMBEDQ_PIN_RECORD") == "1":
+        print(f"FLOAT_PINS[{sys.argv[1]!r}] = " + json.dumps(digests, indent=4))
+    digests["__capability__"] = torch.backends.cpu.get_cpu_capability()
+    print(json.dumps(digests))

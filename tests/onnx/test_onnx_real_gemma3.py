@@ -69,10 +69,8 @@ def test_gemma3_270m_genai_builder_folder(gemma3_270m, tmp_path):
 
     from embedq.backends.onnx import patch_model
     repo = Path(__file__).resolve().parents[2]
-    p = subprocess.run(["bash", str(repo / "scripts" / "setup_genai_onnx.sh")], capture_output=True, text=True)
-    if p.returncode:
-        pytest.skip("onnxruntime-genai cannot be installed here")
-    site = p.stdout.strip().splitlines()[-1]
+    import clients
+    site = clients.setup("scripts/setup_genai_onnx.sh", "onnxruntime-genai")
     fp32 = tmp_path / "genai-fp32"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(repo)]))
     subprocess.run([sys.executable, str(repo / "scripts" / "genai_build.py"), "-i", str(gemma3_270m),

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import clients
 import numpy as np
 import pytest
 import torch
@@ -31,12 +32,9 @@ STEPS = 8
 def transformersjs(tmp_path_factory) -> Path:
     """A folder with generate.mjs beside the cached node_modules."""
     if shutil.which("node") is None:
-        pytest.skip("node not installed (Debian: apt-get install nodejs npm)")
-    p = subprocess.run(["bash", str(JS / "setup.sh")], capture_output=True, text=True)
-    if p.returncode:
-        pytest.skip(f"tests/js/setup.sh failed (offline?): {p.stderr.strip().splitlines()[-1:]}")
+        clients.unavailable("transformers.js", "node is not on PATH (Debian: apt-get install nodejs npm)")
     d = tmp_path_factory.mktemp("js")
-    (d / "node_modules").symlink_to(Path(p.stdout.strip().splitlines()[-1]) / "node_modules")
+    (d / "node_modules").symlink_to(Path(clients.setup("tests/js/setup.sh", "transformers.js")) / "node_modules")
     shutil.copy(JS / "generate.mjs", d)
     (d / "package.json").write_text('{"type": "module"}')
     return d / "generate.mjs"

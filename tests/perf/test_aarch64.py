@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import clients
 import pytest
 
 from embedq.kernels import native_f32
@@ -36,7 +37,8 @@ def test_portable_kernel_on_aarch64_under_qemu(tmp_path):
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if cc is None or qemu is None:
         missing = [n for n, p in (("gcc-aarch64-linux-gnu", cc), ("qemu-user", qemu)) if p is None]
-        pytest.skip(f"aarch64 toolchain absent ({', '.join(missing)}): run scripts/setup_aarch64.sh")
+        clients.unavailable("aarch64 toolchain", f"{', '.join(missing)} absent: run scripts/setup_aarch64.sh",
+                            clients.CACHE / "logs" / "aarch64.log")
     # static: qemu-user needs no aarch64 sysroot at run time; plain -O3 = the portable build
     _build_and_run(cc, ["-static"], tmp_path / "check-aarch64", [qemu])
 

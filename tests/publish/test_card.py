@@ -282,7 +282,7 @@ def test_embedq_eval_result_rendered(derive):
 
 
 def test_eval_result_object_rendered(derive):
-    evaluate = pytest.importorskip("embedq.quality.evaluate")
+    from embedq.quality import evaluate
     fields = set(evaluate.EvalResult.__dataclass_fields__)
     assert fields <= set(EVAL_RESULT), fields - set(EVAL_RESULT)  # the fixture above is current
     res = evaluate.EvalResult(**{k: EVAL_RESULT[k] for k in fields})

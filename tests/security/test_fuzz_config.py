@@ -177,7 +177,6 @@ def test_genuine_config_is_accepted_everywhere(made, tmp_path):
 @settings(FUZZ, max_examples=10)
 @given(m=mutations())
 def test_fuzz_embedq_load(made, tmp_path_factory, m):
-    pytest.importorskip("transformers")
     src, _, good = made
     folder = tmp_path_factory.mktemp("t") / "m"
     shutil.copytree(src, folder, symlinks=True)

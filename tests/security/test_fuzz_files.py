@@ -579,8 +579,7 @@ EVERY_ONNX_KIND = tuple((k, 0) for k in ONNX_KINDS if k not in ("external", "dim
 def test_fuzz_onnx_patch(made, tmp_path_factory, m):
     """A mutated small ONNX graph (missing inputs, cycles, external data ...) under
     ``embedq onnx patch``: success or one line; the model's folder untouched."""
-    onnx = pytest.importorskip("onnx")
-    pytest.importorskip("onnxruntime")
+    import onnx
     t = "onnx patch"
     begin(t)
     tmp = tmp_path_factory.mktemp("ox")
@@ -599,8 +598,6 @@ def test_fuzz_onnx_patch(made, tmp_path_factory, m):
 
 def test_onnx_unmutated_graph_patches(made, tmp_path):
     """Positive control of the ONNX fuzz test: the unmutated graph, inline and external."""
-    pytest.importorskip("onnx")
-    pytest.importorskip("onnxruntime")
     for m in [("dims", [512, 64]), ("external", ("ok", None))]:
         d = tmp_path / m[0]
         d.mkdir()
