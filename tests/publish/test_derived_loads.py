@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,9 @@ from safetensors.torch import load_file
 import embedq
 
 from pubutil import derive  # noqa: F401 (fixture)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))
+from qualutil import head_operands, logit_bound  # noqa: E402
 
 IDS = torch.tensor([[1, 5, 17, 42, 99, 3, 250, 7]])
 
@@ -71,6 +76,9 @@ def test_derived_folder_loads_with_embedq_load(derive, kind, kw):
     src, out, _ = derive(kind, **kw)
     ref = _reference_logits(src, out)
     model = load(out, dtype=torch.float32)
-    with torch.no_grad():
-        got = model(IDS).logits
-    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    # float32 activations take a native kernel (another summation order than F.linear): the
+    # derived float32 bound of tests/quality/qualutil.py, with this model's head input
+    got, x, w = head_operands(model, IDS)
+    d = (got - ref).abs()
+    tol = logit_bound(x, w, got, ref)
+    assert not (d > tol).any(), f"{int((d > tol).sum())} logits beyond the float32 bound, max diff {d.max():.3g}"
