@@ -15,6 +15,15 @@ Paths:
   S@A         embedq.kernels.PreparedTable.linear for scheme S (``--schemes``: int8 = per
               row, int8g64, q4g32, ...; suffix a = asymmetric) with activations A (``--acts``)
   S-ref       with --ref: the chunked reference (backends.transformers.QuantizedLMHead)
+  S-ort0/4    the peers (unless --no-peers): ONNX Runtime's MatMulNBits over the same table
+              values, accuracy 0 (exact) and 4 (int8 activations), float32 activations
+  S-torch8    torch's _weight_int8pack_mm (int8 per-row tables, bf16 activations)
+  Beside each peer: embedq/peer = embedq's faster activation dtype ÷ the peer (< 1: embedq faster).
+
+``--emulate avx2|avx512f|avx512_bf16`` re-runs the script as that CPU family
+(EMBEDQ_CPU_FEATURES for embedq, ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY for torch's
+float path): one machine measures every family at or below its own ISA, the same caches
+and memory (an emulation; the output says so).
 
     PYTHONPATH=. python scripts/bench_serve.py                        # the default head run
     EMBEDQ_CPU_FEATURES=none PYTHONPATH=. python scripts/bench_serve.py   # the portable C kernel
@@ -58,6 +67,24 @@ from embedq.kernels import PreparedTable  # noqa: E402
 from embedq.quant.rtn import quantize_rtn  # noqa: E402
 from embedq.format.scheme import Scheme  # noqa: E402
 from embedq.format.codec import QuantizedTable  # noqa: E402
+
+# CPU families one machine can stand in for (only families at or below its own ISA):
+# embedq's features, then oneDNN's and ATen's caps for torch's float baseline.
+EMULATE = {
+    "avx2": ("avx2,fma,f16c", "AVX2", "avx2"),
+    "avx512f": ("-avx512_bf16,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512"),
+    "avx512_bf16": ("-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE_BF16", "avx512"),
+}
+
+
+def emulate(family: str) -> None:
+    """Re-run this script with ``family``'s environment (the variables are read at start-up)."""
+    feats, onednn, aten = EMULATE[family]
+    env = dict(os.environ, EMBEDQ_CPU_FEATURES=feats, ONEDNN_MAX_CPU_ISA=onednn, ATEN_CPU_CAPABILITY=aten,
+               EMBEDQ_BENCH_EMULATED=family)
+    argv = [a for i, a in enumerate(sys.argv) if a != "--emulate" and (i == 0 or sys.argv[i - 1] != "--emulate")]
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
 
 SHAPES = {
     "gemma270m": (262_144, 640),   # Gemma 3 270M head
@@ -114,6 +141,46 @@ def reference_head(qt: QuantizedTable):
     t = PackedTable(rows, cols, qt.bits, qt.group_size, qt.symmetric, qt.scale.dtype, device="cpu")
     t.load_from(qt.packed, qt.scale, torch.tensor([rows, cols]), qt.packed_zero_point())
     return QuantizedLMHead(t)
+
+
+def ort_head(qt: QuantizedTable, accuracy: int):
+    """ONNX Runtime's ``MatMulNBits`` over the same table values (the peer a user exporting
+    with onnxruntime-genai's builder gets): a one-node graph, float32 activations,
+    ``accuracy`` 0 (exact) or 4 (int8 activations). None with the reason if ORT lacks it."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        from embedq.backends.onnx.common import onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points
+    except ImportError as e:
+        return None, f"onnxruntime/onnx not installed ({e})"
+    rows, cols = qt.shape
+    block = onnx_block_size(qt.bits, qt.group_size, cols)
+    nb = cols // block
+    inits = [numpy_helper.from_array(ort_weight_bytes(qt).reshape(rows, nb, block * qt.bits // 8), "w"),
+             numpy_helper.from_array(ort_scales(qt, block, torch.float32).reshape(-1), "s"),
+             numpy_helper.from_array(ort_zero_points(qt, block).reshape(-1), "zp")]
+    node = helper.make_node("MatMulNBits", ["x", "w", "s", "zp"], ["y"], domain="com.microsoft",
+                            K=cols, N=rows, bits=qt.bits, block_size=block, accuracy_level=accuracy)
+    graph = helper.make_graph([node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", cols])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", rows])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # an ORT without this bits/block combination
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+    return (lambda x: sess.run(None, {"x": x.numpy()})[0]), None
+
+
+def torch_int8pack_head(qt: QuantizedTable):
+    """torch's weight-only int8 op (``_weight_int8pack_mm``, bf16 activations) over the
+    same codes: int8 per-row tables only (it takes one scale per row)."""
+    if qt.bits != 8 or qt.group_size is not None or not qt.symmetric:
+        return None
+    codes = qt.codes().to(torch.int8).contiguous()
+    scale = qt.scale.reshape(-1).to(torch.bfloat16).contiguous()
+    return lambda x: torch._weight_int8pack_mm(x, codes, scale)
 
 
 def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set) -> dict[str, list[float]]:
@@ -192,11 +259,22 @@ def bench_head(args) -> list[dict]:
                   f"(bf16 {w.numel() * 2 / 2**20:.1f} MiB); {p.variants()}", flush=True)
             for act in args.acts:
                 fns[f"{sname}@{act}"] = (act, p.linear)
+            if not args.no_peers:
+                for acc in (0, 4):
+                    f, why = ort_head(qt, acc)
+                    if f is None:
+                        print(f"   {sname}: ORT MatMulNBits accuracy {acc} not timed: {why}")
+                    else:
+                        fns[f"{sname}-ort{acc}"] = ("f32", f)
+                tf = torch_int8pack_head(qt)
+                if tf is not None:
+                    fns[f"{sname}-torch8"] = ("bf16", tf)
             if args.ref:
                 fns[f"{sname}-ref"] = ("bf16", reference_head(qt))
             del qt
             gc.collect()
-        slow = {k for k in fns if k.endswith("-ref")}
+        # the chunked reference, and MLAS's exact 8-bit path (onnxruntime #24491), are slow
+        slow = {k for k in fns if k.endswith("-ref") or (k.startswith("int8") and k.endswith("-ort0"))}
         dts = {"bf16": torch.bfloat16, "f32": torch.float32}
         for m in args.batches:
             xs = {a: hidden[:m].to(dts[a]).contiguous() for a in dts}
@@ -213,8 +291,11 @@ def bench_head(args) -> list[dict]:
             # with M; dropped for larger M (it can no longer be the faster baseline)
             drop = "bf16" in med and med["bf16"] > 2 * med["f32"] and not args.keep_bf16
             for k, ts in times.items():
+                # embedq ÷ each peer over the same table (its best activation dtype)
+                mine = [med[f"{k.split('-')[0]}@{a}"] for a in args.acts if f"{k.split('-')[0]}@{a}" in med]
+                vs = f"   embedq/{k.split('-', 1)[1]} {min(mine) / med[k]:.2f}" if "-" in k and mine else ""
                 print(f"   {k:14s} {med[k] * 1e3:9.1f} ms  {med[k] / base:6.2f}x best float   "
-                      f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)})", flush=True)
+                      f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)}){vs}", flush=True)
                 results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m,
                                     path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
                                     baseline=best, cpu=cpu_model(), n=len(ts),
@@ -449,6 +530,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n-ref", type=int, default=3, help="rounds for the slow reference paths")
     ap.add_argument("--ref", action="store_true", help="also time the chunked reference path (slow)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-peers", action="store_true",
+                    help="skip the peers (ORT MatMulNBits accuracy 0/4, torch _weight_int8pack_mm)")
+    ap.add_argument("--emulate", choices=sorted(EMULATE),
+                    help="measure another CPU family on this one: EMBEDQ_CPU_FEATURES for embedq, "
+                         "ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY for torch's float path (same caches "
+                         "and memory: an emulation, said in the output)")
     ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
     ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 8])
@@ -459,7 +546,13 @@ def main(argv=None) -> int:
                     help="quantized Gemma copies (made once)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
+    if args.emulate and os.environ.get("EMBEDQ_BENCH_EMULATED") != args.emulate:
+        emulate(args.emulate)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("EMBEDQ_BENCH_EMULATED"):
+        print(f"EMULATED CPU family {os.environ['EMBEDQ_BENCH_EMULATED']} on this CPU (same caches and memory): "
+              + ", ".join(f"{k}={os.environ.get(k)}" for k in ("EMBEDQ_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA",
+                                                                 "ATEN_CPU_CAPABILITY")))
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, torch cpu "

@@ -81,6 +81,11 @@ def update_advice(results: list[dict], machine_line: str, command: str, path: Pa
                              "mean_kld": round(r["mean_kld"], 5), "same_top1": round(r["same_top1"], 1),
                              "overlay_MB": r["overlay_MB"],
                              "measured_by": f"{command} ({when}; {machine_line})"})
+    floor = next((r for r in results if r.get("floor_kld") is not None), None)
+    if floor is not None:  # evaluate measures the bf16 floor beside every row: the first one's
+        data["floor"] = {"mean_kld": round(floor["floor_kld"], 5), "same_top1": round(floor["floor_same_top1"], 1),
+                         "what": "the float model itself run in bfloat16",
+                         "measured_by": f"{command} ({when}; {machine_line})"}
     data["rows"].sort(key=lambda x: (-x["bits"], x["head"], x["group_size"] or 0, not x["symmetric"]))
     path.write_text(json.dumps(data, indent=1) + "\n")
 
