@@ -29,7 +29,7 @@ import threading
 import torch
 
 from embedq.format.scheme_units import UNITS
-from embedq.kernels.build import kernel_cache_dir, load_library
+from embedq.kernels.build import SCALE_KIND, LazyLibrary, kernel_cache_dir
 from embedq.quant.profile import stage
 
 log = logging.getLogger(__name__)
@@ -192,34 +192,27 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off
          "-fopenmp-simd",
          "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_lib = None  # ctypes library, or False when unavailable
-_reason: str | None = None
+_lock = threading.Lock()  # the kernel thread pool's
+
+
+def _signatures(lib) -> None:
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for n in ("quant_bf16", "quant_f32"):
+        getattr(lib, n).argtypes = [P, I, I, F, F, F, P, P, P, P]
+        getattr(lib, n).restype = None
+
+
+# The one loader (kernels.build.LazyLibrary): built on first use, at most once per process.
+LIBRARY = LazyLibrary("native", C_SOURCE, FLAGS, ["-lm"], setup=_signatures, label="native quantize")
 
 
 def library():
     """The loaded kernel library, or None (see :func:`unavailable_reason`)."""
-    global _lib, _reason
-    if _lib is not None:
-        return _lib or None
-    with _lock:
-        if _lib is not None:
-            return _lib or None
-        try:
-            lib = load_library("native", C_SOURCE, FLAGS, ["-lm"])
-            P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            for n in ("quant_bf16", "quant_f32"):
-                getattr(lib, n).argtypes = [P, I, I, F, F, F, P, P, P, P]
-                getattr(lib, n).restype = None
-            _lib = lib
-        except Exception as e:  # noqa: BLE001 - any failure means: use another kernel
-            _reason = f"native kernel unavailable: {type(e).__name__}: {e}"
-            _lib = False
-        return _lib or None
+    return LIBRARY.get()
 
 
 def unavailable_reason() -> str | None:
-    return _reason
+    return LIBRARY.unavailable()
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
@@ -253,7 +246,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, symmetric: bool,
     def run(i: int) -> None:
         a, b = bounds[i], bounds[i + 1]
         fn(x.data_ptr() + a * cols * xs, (b - a) * groups, group, bits, 0 if symmetric else 1,
-           _SCALE_KIND[scale_dtype], s.data_ptr() + a * groups * ss,
+           SCALE_KIND[scale_dtype], s.data_ptr() + a * groups * ss,
            None if zp is None else zp.data_ptr() + a * groups, out.data_ptr() + a * os_, sts[i])
 
     if parts == 1:
@@ -291,8 +284,6 @@ def _timed(run, i: int) -> None:
     with stage("kernel: quantize + pack + stats"):
         run(i)
 
-
-_SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 __all__ = ["kernel_cache_dir", "library", "supports_dtype", "quantize_pack", "unavailable_reason", "C_SOURCE"]
