@@ -1,0 +1,157 @@
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <pthread.h>
+#include <immintrin.h>
+
+/* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
+   int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
+   high = 2p+1, offset binary (u = q + 8) as stored. scales [NB][G][16] in their stored
+   dtype (0 f32, 1 bf16, 2 f16); zero points [NB][G][16] int8 or NULL. */
+
+typedef struct {
+    const uint8_t* w; const void* s; const int8_t* z; const int32_t* xp; const float* xs;
+    uint16_t* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind;
+} job_t;
+
+static inline __m512i dec8(const int8_t* p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0..15 from lo: pair-interleaved */
+}
+
+static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
+}
+
+static inline __m512i dec(const job_t* j, int64_t pair, __m512i tbl) {
+    return j->bits == 8 ? dec8((const int8_t*)j->w + pair * 32) : dec4(j->w + pair * 16, tbl);
+}
+
+static inline __m512 load_scale(const void* s, int kind, int64_t i) {
+    if (kind == 0) return _mm512_loadu_ps((const float*)s + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i));
+    if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static inline __m512 load_zero(const int8_t* z, int64_t i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(z + i))));
+}
+
+#define DP(a, w, xv) _mm512_dpbf16_ps(a, (__m512bh)(w), (__m512bh)_mm512_set1_epi32(xv))
+
+/* nm (<= 8 with groups, <= 16 per row) activation rows over one block of 16 table rows:
+   each column pair of the block is decoded in registers (W) and used by all nm rows.
+   Decoding in registers measured faster than decoding once into an L1 scratch and
+   re-reading it (stores + reloads cost more than re-decoding for M/16 tiles).
+   xp: activation pairs [K/2][16]; the group's scale (and zero) applied after its dot;
+   two accumulator sets (even/odd pairs) hide vdpbf16ps latency when nm <= 8. */
+#define TILE_BODY(W)                                                                       \
+    enum { NA = 2 };                                                                       \
+    __m512 out[16], acc[NA][16];                                                           \
+    for (int i = 0; i < nm; i++) out[i] = _mm512_setzero_ps();                             \
+    for (int64_t gi = 0; gi < G; gi++) {                                                   \
+        for (int i = 0; i < nm; i++) { acc[0][i] = _mm512_setzero_ps(); acc[1][i] = _mm512_setzero_ps(); } \
+        const int64_t p0 = gi * P, p1 = p0 + P;                                            \
+        int64_t p = p0;                                                                    \
+        for (; nm <= 8 && p + 1 < p1; p += 2) {                                            \
+            __m512i w0 = W(p), w1 = W(p + 1);                                              \
+            for (int i = 0; i < nm; i++) {                                                 \
+                acc[0][i] = DP(acc[0][i], w0, xp[p * 16 + i]);                             \
+                acc[1][i] = DP(acc[1][i], w1, xp[p * 16 + 16 + i]);                        \
+            }                                                                              \
+        }                                                                                  \
+        for (; p < p1; p++) { __m512i w0 = W(p);                                           \
+            for (int i = 0; i < nm; i++) acc[0][i] = DP(acc[0][i], w0, xp[p * 16 + i]); }  \
+        __m512 sv = load_scale(j->s, j->skind, (nb * G + gi) * 16);                        \
+        __m512 zv = z ? load_zero(z, (nb * G + gi) * 16) : _mm512_setzero_ps();            \
+        for (int i = 0; i < nm; i++) {                                                     \
+            __m512 t = nm <= 8 ? _mm512_add_ps(acc[0][i], acc[1][i]) : acc[0][i];          \
+            if (z) t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[i * G + gi]), t);            \
+            out[i] = G == 1 ? _mm512_mul_ps(t, sv) : _mm512_fmadd_ps(t, sv, out[i]);       \
+        }                                                                                  \
+    }                                                                                      \
+    for (int i = 0; i < nm; i++)                                                           \
+        _mm256_mask_storeu_epi16(o + i * ldo, mk, (__m256i)_mm512_cvtneps_pbh(out[i]));
+
+#define W(p) dec(j, nb * KP + (p), tbl)
+
+static inline __attribute__((always_inline)) void tile(const int nm, const job_t* j, int64_t nb,
+        __m512i tbl, const int32_t* xp, const float* xs, uint16_t* o, __mmask16 mk) {
+    const int64_t G = j->G, P = j->g / 2, KP = j->K / 2, ldo = j->ldo; const int8_t* z = j->z;
+    TILE_BODY(W)
+}
+
+#define C(n) case n: tile(n, j, nb, tbl, xp, xs, o, mk); break;
+static void tile_any(int nm, const job_t* j, int64_t nb, __m512i tbl, const int32_t* xp,
+                            const float* xs, uint16_t* o, __mmask16 mk) {
+    switch (nm) { C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8) C(9) C(10) C(11) C(12) C(13) C(14) C(15) C(16) }
+}
+#undef C
+
+
+static void* run(void* arg) {
+    job_t* j = (job_t*)arg;
+    const int64_t M = j->M, KP = j->K / 2;
+    /* registers: groups keep 2 x nm accumulators + nm outputs, rows nm accumulators */
+    const int mt = j->G > 1 ? 8 : 16;
+    __m512i tbl = _mm512_setzero_si512();
+    if (j->bits == 4) {
+        uint16_t t[32] = {0};
+        for (int n = 0; n < 16; n++) { float f = (float)(n - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
+        tbl = _mm512_loadu_si512(t);
+    }
+    for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
+        int64_t r0 = nb * 16, nr = j->V - r0 < 16 ? j->V - r0 : 16;
+        __mmask16 mk = (__mmask16)((1u << nr) - 1);
+        for (int64_t m0 = 0; m0 < M; m0 += mt) {
+            int nm = M - m0 < mt ? (int)(M - m0) : mt;
+            /* activation pairs are packed in tiles of 16 rows: [M/16][K/2][16] */
+            const int32_t* xp = j->xp + ((m0 / 16) * KP) * 16 + (m0 % 16);
+            const float* xs = j->xs ? j->xs + m0 * j->G : NULL;
+            tile_any(nm, j, nb, tbl, xp, xs, j->out + m0 * j->ldo + r0, mk);
+        }
+    }
+    return NULL;
+}
+
+/* logits[M, V] (bf16, row stride ldo) = x[M, K] (bf16) @ dequant(W)^T, on nthreads threads. */
+int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
+              int64_t g, const uint16_t* x, int64_t M, uint16_t* out, int64_t ldo, int nthreads) {
+    const int64_t G = K / g, NB = (V + 15) / 16, KP = K / 2, MB = (M + 15) / 16;
+    float* xs = NULL;
+    if (z) { /* per-group sums of the activations (asymmetric rows) */
+        xs = malloc(M * G * sizeof(float));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < G; gi++) {
+                float a = 0;
+                for (int64_t k = 0; k < g; k++) { uint32_t u = (uint32_t)x[m * K + gi * g + k] << 16; float f; memcpy(&f, &u, 4); a += f; }
+                xs[m * G + gi] = a;
+            }
+    }
+    /* Activations once per call: [M/16][K/2][16] bf16 pairs (a transpose, exact). */
+    int32_t* xp = aligned_alloc(64, MB * KP * 64);
+    const int32_t* x32 = (const int32_t*)x;
+    for (int64_t mb = 0; mb < MB; mb++)
+        for (int64_t p = 0; p < KP; p++)
+            for (int64_t i = 0; i < 16; i++) {
+                int64_t m = mb * 16 + i;
+                xp[(mb * KP + p) * 16 + i] = m < M ? x32[m * KP + p] : 0;
+            }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > NB) nthreads = (int)NB;
+    if (nthreads > 64) nthreads = 64;
+    job_t jobs[64]; pthread_t th[64]; int joined[64] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        job_t jj = {w, s, z, xp, xs, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, bits, skind};
+        jobs[t] = jj;
+    }
+    for (int t = 1; t < nthreads; t++) joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
+    run(&jobs[0]);
+    for (int t = 1; t < nthreads; t++) { if (joined[t]) pthread_join(th[t], NULL); else run(&jobs[t]); }
+    free(xs); free(xp);
+    return 0;
+}
