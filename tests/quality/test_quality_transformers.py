@@ -17,7 +17,7 @@ from embedq.errors import OverlayError
 from embedq.format.codec import QuantizedTable
 from embedq.format.scheme import Scheme
 from embedq.quant.rtn import quantize_rtn
-from qualutil import (assert_logits_match, logit_bound, assert_model_logits_match, assert_same_greedy,
+from qualutil import (assert_logits_match, assert_model_logits_match, assert_same_greedy,
                       dequantized_reference, overlay_tensor_bytes)
 
 IDS = torch.tensor([[1, 5, 7, 9, 11, 200, 3, 4, 5, 6, 7, 8, 9, 10, 250, 2]])
@@ -82,24 +82,32 @@ def test_dtype_follows_the_model(model_factory):
     assert m.model.embed_tokens(IDS).dtype == torch.bfloat16
 
 
-def test_head_chunks_match_one_matmul(model_factory):
+def test_head_chunks_match_one_matmul(model_factory, monkeypatch):
+    """The one chunked reference (``EMBEDQ_FASTPATH=0``: embedq.kernels' chunked layout)
+    serves the loaded head in bounded chunks of rows that together equal one matmul."""
+    from embedq.kernels import prepared as kernel_prepared
     src = model_factory("llama_untied_sharded")
     embedq.quantize(src, bits=4, lm_head=True, progress=False)
+    monkeypatch.setenv("EMBEDQ_FASTPATH", "0")
     m = embedq.load(src)
     head = m.lm_head
+    assert head.table.prepared.kind == "chunked"
     h = torch.randn(2, 5, head.in_features).to(m.dtype)
-    w = head.table.dequantize(h.dtype)
+    w = head.table.prepared.dequantize_range(0, head.out_features, h.dtype)
     full = torch.nn.functional.linear(h, w)
-    head.chunk_rows = 96  # 1000 rows: 11 chunks, the last one partial
+    # 64-row chunks (the reference's row alignment): 1000 rows are 16 chunks, the last partial;
+    # no chunk's dequantized rows exceed that bound
+    monkeypatch.setattr(kernel_prepared, "CHUNK_ELEMS", 64 * head.in_features)
+    seen = []
+    real = head.table.prepared.dequantize_range
+    monkeypatch.setattr(head.table.prepared, "dequantize_range",
+                        lambda a, b, dt: seen.append(b - a) or real(a, b, dt))
     with torch.no_grad():
         assert_logits_match(head(h), full, h, w)
-    with torch.no_grad():
-        # float32 activations: the chunked reference is bit-equal to one matmul, a native CPU
-        # kernel (the route a supported CPU serves float32 with) equal up to summation order.
-        w32 = head.table.dequantize(torch.float32)
-        a = head.table.linear(h.float(), None, 96)
-        b = torch.nn.functional.linear(h.float(), w32)
-        assert ((a - b).abs() <= logit_bound(h.float(), w32, a, b)).all()
+        assert seen == [64] * 15 + [1000 - 15 * 64]
+        # float32 activations: the chunked reference is bit-equal to one matmul
+        w32 = head.table.prepared.dequantize_range(0, head.out_features, torch.float32)
+        assert torch.equal(head(h.float()), torch.nn.functional.linear(h.float(), w32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -19,7 +19,6 @@ from embedq.kernels import PreparedTable
 from embedq.format.reader import load_overlay
 
 # Dequantize about this many bytes of float32 table at a time in the head.
-HEAD_CHUNK_BYTES = 32 << 20
 
 
 # ---------------------------------------------------------------------------------------
@@ -79,11 +78,12 @@ class PackedTable(nn.Module):
         gather and the head of a tied model read one table."""
         if self.prepared is not None or self.weight_packed.device.type == "meta":
             return
-        if os.environ.get("EMBEDQ_FASTPATH") == "0":  # the reference decoder, for comparisons
-            return
+        # EMBEDQ_FASTPATH=0: the kernel layer's chunked reference (for comparisons)
+        prefer = "chunked" if os.environ.get("EMBEDQ_FASTPATH") == "0" else None
         self.prepared = PreparedTable.from_packed(
             self.weight_packed, self.weight_scale, self.cols, self.bits, self.group_size,
-            zero_point_packed=self.weight_zero_point, device=self.weight_packed.device, dtype=dtype)
+            zero_point_packed=self.weight_zero_point, device=self.weight_packed.device, dtype=dtype,
+            prefer=prefer)
         dev = self.weight_packed.device
         self.weight_packed = torch.empty(0, dtype=torch.int32, device=dev)
         self.weight_scale = torch.empty(0, dtype=self.weight_scale.dtype, device=dev)
@@ -105,18 +105,14 @@ class PackedTable(nn.Module):
             return self.prepared.embedding(ids, dtype)
         return self.dequantize_rows(ids.reshape(-1), dtype).view(*ids.shape, self.cols)
 
-    def linear(self, hidden: torch.Tensor, bias: torch.Tensor | None = None,
-               chunk_rows: int = 4096) -> torch.Tensor:
-        """``hidden @ dequant(W)^T (+ bias)`` in ``hidden``'s dtype, never a float copy of W."""
+    def linear(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden @ dequant(W)^T (+ bias)`` in ``hidden``'s dtype, never a float copy of W
+        (not prepared yet: the kernel layer's chunked reference over the buffers as they are)."""
         if self.prepared is not None:
             return self.prepared.linear(hidden, bias)
-        dtype = hidden.dtype
-        out = torch.empty(*hidden.shape[:-1], self.rows, dtype=dtype, device=hidden.device)
-        for a in range(0, self.rows, chunk_rows):
-            b = min(self.rows, a + chunk_rows)
-            w = self.dequantize(dtype, a, b)
-            out[..., a:b] = nn.functional.linear(hidden, w, None if bias is None else bias[a:b].to(dtype))
-        return out
+        return PreparedTable.from_packed(
+            self.weight_packed, self.weight_scale, self.cols, self.bits, self.group_size,
+            zero_point_packed=self.weight_zero_point, dtype=hidden.dtype, prefer="chunked").linear(hidden, bias)
 
     # -- loading ----------------------------------------------------------------------
     @torch.no_grad()
@@ -226,23 +222,21 @@ class QuantizedEmbedding(nn.Module):
 class QuantizedLMHead(nn.Module):
     """Output projection reading a :class:`PackedTable` (possibly the embedding's).
 
-    Logits are computed ``chunk_rows`` vocabulary rows at a time: each chunk is
-    dequantized to the activation dtype, multiplied, and dropped.
+    Logits come from the table's prepared kernel (:mod:`embedq.kernels`; its chunked
+    reference bounds the memory of a call where no kernel serves).
     """
 
-    def __init__(self, table: PackedTable, bias: nn.Parameter | None = None,
-                 chunk_rows: int | None = None):
+    def __init__(self, table: PackedTable, bias: nn.Parameter | None = None):
         super().__init__()
         self.table = table
         self.in_features, self.out_features = table.cols, table.rows
         self.bias = bias
-        self.chunk_rows = chunk_rows or max(256, HEAD_CHUNK_BYTES // (4 * table.cols))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.table.linear(hidden, self.bias, self.chunk_rows)
+        return self.table.linear(hidden, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, chunk_rows={self.chunk_rows}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:

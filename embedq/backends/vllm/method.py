@@ -19,8 +19,6 @@ from embedq.kernels import PreparedTable
 
 logger = logging.getLogger("embedq.vllm")
 
-# Elements of dequantized table per chunk in ``apply`` (logits); 16M elements = 32 MB bf16.
-_CHUNK_ELEMS = int(os.environ.get("EMBEDQ_VLLM_CHUNK_ELEMS", str(1 << 24)))
 
 
 # vLLM compiles the model's forward (embedding included) with dynamo; the fast path's
@@ -205,13 +203,13 @@ class EmbedqMethod(QuantizeMethodBase):
         packed = layer.weight_packed
         prepared = getattr(packed, "embedq_prepared", None)
         if prepared is None:
-            if os.environ.get("EMBEDQ_FASTPATH") == "0":  # the reference decoder
-                return
-            zp = None if self.spec.symmetric else layer.weight_zero_point
-            prepared = PreparedTable.from_packed(
-                packed.data, layer.weight_scale.data, self.spec.cols, self.spec.bits,
-                self.spec.group_size, zero_point_packed=None if zp is None else zp.data,
-                device=packed.device, dtype=layer.params_dtype)
+            prepared = self._reference(layer) if os.environ.get("EMBEDQ_FASTPATH") == "0" else None
+            if prepared is None:
+                zp = None if self.spec.symmetric else layer.weight_zero_point
+                prepared = PreparedTable.from_packed(
+                    packed.data, layer.weight_scale.data, self.spec.cols, self.spec.bits,
+                    self.spec.group_size, zero_point_packed=None if zp is None else zp.data,
+                    device=packed.device, dtype=layer.params_dtype)
             prepared.key = f"{self.owner}#{len(PREPARED)}@{id(prepared):x}"
             PREPARED[prepared.key] = prepared
             packed.embedq_prepared = prepared
@@ -224,6 +222,15 @@ class EmbedqMethod(QuantizeMethodBase):
                                          device=p.device)
             logger.debug("embedq: %s prepared: %s", self.owner, prepared.describe())
         layer.embedq_prepared = prepared
+
+    def _reference(self, layer) -> PreparedTable:
+        """The kernel layer's chunked reference over the on-disk tensors as they are (no
+        copy): ``EMBEDQ_FASTPATH=0``, and a table not prepared yet."""
+        zp = None if self.spec.symmetric else layer.weight_zero_point
+        return PreparedTable.from_packed(
+            layer.weight_packed.data, layer.weight_scale.data, self.spec.cols, self.spec.bits,
+            self.spec.group_size, zero_point_packed=None if zp is None else zp.data,
+            device=layer.weight_packed.device, dtype=layer.params_dtype, prefer="chunked")
 
     @staticmethod
     def prepared_of(layer) -> PreparedTable | None:
@@ -265,23 +272,7 @@ class EmbedqMethod(QuantizeMethodBase):
             if torch.compiler.is_compiling():
                 return _vocab_logits_op(x, prepared.key, prepared.rows, bias)
             return prepared.linear(x, bias)
-        # reference path (EMBEDQ_FASTPATH=0): dequantize W chunk by chunk
-        packed, scale = layer.weight_packed, layer.weight_scale
-        rows = packed.shape[0]
-        zps = None
-        if not self.spec.symmetric:
-            zps = zero_points_of(layer.weight_zero_point, self.spec.bits,
-                                 torch.arange(rows, device=packed.device))
-        step = max(64, _CHUNK_ELEMS // max(1, self.spec.cols))
-        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            w = dequantize_rows(packed[r0:r1], scale[r0:r1],
-                                None if zps is None else zps[r0:r1],
-                                self.spec.bits, self.spec.cols, x.dtype)
-            out[..., r0:r1] = torch.nn.functional.linear(
-                x, w, None if bias is None else bias[r0:r1])
-        return out
+        return self._reference(layer).linear(x, bias)  # not prepared yet (an alias before sharing)
 
 
 __all__ = ["EmbedqMethod", "PREPARED"]
