@@ -110,6 +110,19 @@ def test_qwen2_tied(builder, scheme):
     _check_memory(d, embed, "model.embed_tokens")
 
 
+@pytest.mark.parametrize("scheme", ["q8asym_g16", "q4g32"])
+def test_fastpath_off_serves_the_kernel_reference(builder, scheme, monkeypatch):
+    """EMBEDQ_FASTPATH=0: the kernel layer's one chunked reference serves gather and head
+    (no copy of its own in the back end), equal to dequantize-then-matmul at the bound."""
+    monkeypatch.setenv("EMBEDQ_FASTPATH", "0")
+    d = builder.quantized("qwen2", scheme, **SCHEMES[scheme])
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    assert prepared(head) is prepared(embed) and prepared(head).kind == "chunked"
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    _check_logits(model, head, ref, d, "model.embed_tokens")
+
+
 def test_qwen2_tied_derived(builder):
     d = builder.quantized("qwen2", "q4g32", derived=True, bits=4)
     _, model = load_model(d)
