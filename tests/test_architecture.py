@@ -150,7 +150,7 @@ def test_one_decoder_for_every_reader():
     # and nobody else unpacks bits: decoding lives in the scheme units (format/scheme_units.py)
     for p in MODULES:
         rel = str(p.relative_to(PKG.parent))
-        if rel == UNIT_FILE or rel in DECODER_TWINS or rel in FOREIGN_ENCODERS:
+        if rel == UNIT_FILE or rel in FOREIGN_LAYOUTS:
             continue
         hits = _nibble_ops(p)
         assert not hits, (f"{rel}:{hits[0]} decodes packed codes itself (a mask or shift by a "
@@ -159,13 +159,10 @@ def test_one_decoder_for_every_reader():
 
 # The one place codes are packed and unpacked.
 UNIT_FILE = "embedq/format/scheme_units.py"
-# Serving and quantizing kernels that keep their own decoder (each tested against the unit);
-# issue 31 moves the Python ones in embedq/kernels/ onto the unit (another change owns them).
-DECODER_TWINS = {"embedq/kernels/prepared.py", "embedq/kernels/native_head.py",
-                 "embedq/kernels/torch_int4.py"}
-# Encoders of another format's own block layout (GGUF's Q4_0 nibble order, from codes the
-# unit decoded): they pack, never unpack the overlay's bytes.
-FOREIGN_ENCODERS = {"embedq/backends/gguf/blocks.py"}
+# Another format's own nibble layout, never the overlay's bytes: GGUF's Q4_0 order (encoded
+# from codes the unit decoded) and torch's CPU int4pack (discovered, decoded for the gather).
+# Every embedq layout decodes through the unit (no kernel keeps a decoder twin).
+FOREIGN_LAYOUTS = {"embedq/backends/gguf/blocks.py", "embedq/kernels/torch_int4.py"}
 CODE_WIDTHS = (4,)  # shifts by a code width below a byte
 CODE_MASKS = (0x0F,)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from embedq.format.scheme_units import INT4
 from embedq.kernels.build import SCALE_KIND, LazyLibrary
 
 # The C source beside this module (a real .c file: compilers, linters and diffs read it).
@@ -111,8 +112,7 @@ def codes(w: torch.Tensor, bits: int, ids: torch.Tensor, cols: int) -> torch.Ten
     blk, lane = ids // BLOCK, ids % BLOCK
     if bits == 8:
         return w[blk, :, lane, :].reshape(-1, cols)
-    b = w[blk, :, lane]  # [n, cols/2] stored bytes
-    return (torch.stack([b & 15, b >> 4], dim=-1).reshape(-1, cols).to(torch.int8) - 8)
+    return INT4.signed_from_bytes(w[blk, :, lane]).reshape(-1, cols)  # [n, cols/2] stored bytes
 
 
 def group_params(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

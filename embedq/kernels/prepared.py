@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32, unpack_zero_points
+from embedq.format.scheme_units import INT4, INT8
 from embedq.kernels import dispatch, native_f32, native_head, triton_head
 from embedq.kernels.torch_int4 import int4_decode as _int4_decode
 from embedq.kernels.torch_int4 import int4_layout as _int4_layout
@@ -255,14 +256,14 @@ class PreparedTable:
         step = max(_ROW_ALIGN, (CHUNK_ELEMS // K) // _ROW_ALIGN * _ROW_ALIGN)
         if self.kind in ("int8_row", "int8_group"):
             G, g = self.groups, self.group
-            # Codes u - 128 == u ^ 0x80 reinterpreted as int8: same bytes, same size.
+            # signed codes u - 128 (the unit's decode: the same bytes, the same size)
             if self.kind == "int8_row":
                 w8 = torch.empty(N, K, dtype=torch.int8, device=dev)
             else:
                 w8 = torch.empty(G, N, g, dtype=torch.int8, device=dev)
             for a in range(0, N, step):
                 b = min(N, a + step)
-                q = (packed[a:b].contiguous().view(torch.uint8).reshape(b - a, K) ^ 0x80).view(torch.int8)
+                q = INT8.signed_from_bytes(packed[a:b].contiguous().view(torch.uint8).reshape(b - a, K))
                 if self.kind == "int8_row":
                     w8[a:b].copy_(q)
                 else:
@@ -398,8 +399,7 @@ class PreparedTable:
             if self.bits == 8:
                 q = w.transpose(1, 2).reshape(b0 - a0, K)
             else:
-                byt = w.transpose(1, 2).reshape(b0 - a0, K // 2)
-                q = torch.stack([byt & 15, byt >> 4], dim=-1).reshape(b0 - a0, K).to(torch.int8) - 8
+                q = INT4.signed_from_bytes(w.transpose(1, 2).reshape(b0 - a0, K // 2))
             s = self.s[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
             z = None if self.z is None else self.z[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
             sl = slice(a - a0, b - a0)
