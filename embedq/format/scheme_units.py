@@ -2,7 +2,7 @@
 
 As gguf-py keeps one class per quant type, each family here (:class:`Int8`, :class:`Int4`)
 holds its RTN rule (how symmetric scales are chosen), its packing and decoding, its byte
-sizes, its defaults and the serving layouts (``embedq.kernels.dispatch``) that read it.
+sizes and its defaults (which serving layouts read it is the dispatch table's rows).
 :class:`embedq.format.scheme.Scheme` (what one table looks like) reaches its family as
 ``scheme.unit``; the codec, the quantizers and the fused kernels call the unit instead of
 branching on bits. The C twins (``quant/native.py``, ``kernels/native_head.py``) are
@@ -43,8 +43,6 @@ class IntUnit:
     # The fused RTN kernel reads a bf16 chunk as int32 pairs (measured faster here).
     fused_pairs: ClassVar[bool]
     pair_dtype: ClassVar[str]      # torch dtype of two packed codes (fused pairs)
-    # dispatch layouts (embedq.kernels.dispatch.ROUTES) that serve this family
-    kernel_layouts: ClassVar[tuple[str, ...]]
 
     # ---------------------------------------------------------------- numbers and sizes
     @property
@@ -153,7 +151,6 @@ class Int8(IntUnit):
     lossy = False
     fused_pairs = False
     pair_dtype = "int16"
-    kernel_layouts = ("triton", "native", "int8_row", "int8_group", "chunked")
 
     def symmetric_scale(self, parts):
         import torch
@@ -187,7 +184,6 @@ class Int4(IntUnit):
     lossy = True
     fused_pairs = True
     pair_dtype = "uint8"
-    kernel_layouts = ("triton", "native", "int4_cpu", "chunked")
 
     def symmetric_scale(self, parts):
         import torch

@@ -10,6 +10,9 @@ Two decisions, both read from :data:`ROUTES`, top row first:
   batch range (M = rows of x) match picks the KERNEL; none matching means the chunked
   reference arithmetic over the same layout (decode a bounded chunk, F.linear).
 
+Rows hold the layout class (:mod:`embedq.kernels.layouts`) and the kernel function, not
+names: adding a CPU family is one row here and its C build (a ``LazyLibrary``).
+
 Every row is tested against the reference decoder (``tests/perf/test_fastpath.py``,
 ``tests/perf/test_cpu_variants.py``). ``EMBEDQ_SERVE_KERNEL=<layout>`` moves that layout
 to the top (tests, benchmarks; e.g. ``chunked``, ``torch``, ``native``, ``triton``).
@@ -18,69 +21,89 @@ to the top (tests, benchmarks; e.g. ``chunked``, ``torch``, ``native``, ``triton
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from embedq.kernels import native_f32, native_head
+from embedq.kernels.build import LazyLibrary
+from embedq.kernels.layouts import Chunked, Layout, Native, Spec, Triton, chunked
+from embedq.kernels.torch_layouts import Int4Cpu, Int8Group, Int8Row
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @dataclass(frozen=True)
 class Route:
-    layout: str          # what PreparedTable holds
-    device: str          # "cpu", "cuda" or "*"
+    """One row: which tables (layout, device, bits, grouping) and calls (activation dtype,
+    M) it serves, and the function that runs it. Rows hold the layout class and the
+    kernel function; ``kernel`` and ``isa`` are labels (docs, logs, tests)."""
+
+    layout: type[Layout]  # the in-memory layout (embedq.kernels.layouts)
+    device: str           # "cpu", "cuda" or "*"
     bits: tuple[int, ...]
-    groups: str          # "row" (one scale per row), "group" or "any"
+    groups: str           # "row" (one scale per row), "group" or "any"
     acts: tuple[torch.dtype, ...]  # activation dtypes the kernel takes
-    m_max: int | None    # largest M (rows of x) it serves; None: any
-    kernel: str          # key of the function that runs it (prepared.KERNELS)
-    why: str             # one line for docs and `describe()`
-    isa: str = ""        # the C library variant it needs (ISA_LIBS), "" none
+    m_max: int | None     # largest M (rows of x) it serves; None: any
+    kernel: str           # its name (``PreparedTable.last_kernel``)
+    run: Callable[[Layout, torch.Tensor], torch.Tensor]  # (layout, x [M, cols]) -> logits
+    why: str              # one line for docs and `describe()`
+    lib: LazyLibrary | None = None  # the C library it needs (runs where that loads)
+    isa: str = ""         # that library's CPU variant, as docs and EMBEDQ_CPU_FEATURES say it
 
 
+_F32 = native_f32.VARIANTS
 ROUTES: tuple[Route, ...] = (
-    Route("triton", "cuda", (4, 8), "any", (BF16, F16, F32), None, "triton",
+    Route(Triton, "cuda", (4, 8), "any", (BF16, F16, F32), None, "triton", Triton.logits,
           "Triton over the stored pack-quantized layout (codes unpacked per tile, tl.dot, scales after)"),
-    Route("native", "cpu", (4, 8), "any", (BF16,), None, "native_bf16",
+    Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
-          "avx512_bf16"),
-    Route("native", "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2",
-          "embedq's C kernel (x86-64-v3): weights -> reference float32 once per call, FMA", "avx2"),
-    Route("native", "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_portable",
-          "embedq's C kernel, portable C (any CPU with a compiler; NEON on aarch64)", "portable"),
-    Route("int8_row", "*", (8,), "row", (BF16,), None, "int8_row",
+          native_head.LIB, "avx512_bf16"),
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2", Native.head_f32(_F32["avx2"]),
+          "embedq's C kernel (x86-64-v3): weights -> reference float32 once per call, FMA", _F32["avx2"], "avx2"),
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_portable", Native.head_f32(_F32["portable"]),
+          "embedq's C kernel, portable C (any CPU with a compiler; NEON on aarch64)", _F32["portable"], "portable"),
+    Route(Int8Row, "*", (8,), "row", (BF16,), None, "int8_row", Int8Row.mm,
           "torch _weight_int8pack_mm (no compiler); re-decodes per 4 rows"),
-    Route("int8_group", "cpu", (8,), "group", (BF16,), None, "int8_group",
+    Route(Int8Group, "cpu", (8,), "group", (BF16,), None, "int8_group", Int8Group.mm,
           "torch _weight_int8pack_mm per group (fallback; slow)"),
-    Route("int4_cpu", "cpu", (4,), "any", (BF16,), None, "int4_cpu",
+    Route(Int4Cpu, "cpu", (4,), "any", (BF16,), None, "int4_cpu", Int4Cpu.mm,
           "torch _weight_int4pack_mm_for_cpu (fallback); re-decodes per 4 rows"),
-    Route("chunked", "*", (4, 8), "any", (BF16, F16, F32), None, "chunked",
+    Route(Chunked, "*", (4, 8), "any", (BF16, F16, F32), None, "chunked", chunked,
           "reference: dequantize a bounded chunk of rows, F.linear"),
 )
 
-# The C library each ISA variant needs (a variant runs where its library loads).
-ISA_LIBS = {"avx512_bf16": native_head.LIB, **native_f32.VARIANTS}
+# The C library of each ISA variant (derived from the rows: one spelling).
+ISA_LIBS = {r.isa: r.lib for r in ROUTES if r.lib is not None}
+LAYOUTS: tuple[type[Layout], ...] = tuple(dict.fromkeys(r.layout for r in ROUTES))
+_BY_NAME = {c.name: c for c in LAYOUTS}
+
+
+def layout_named(name: str | type[Layout]) -> type[Layout]:
+    """The layout class called ``name`` (as ``EMBEDQ_SERVE_KERNEL`` and tests say it)."""
+    return name if isinstance(name, type) else _BY_NAME[name]
+
+
+def _unavailable(r: Route) -> str | None:
+    return None if r.lib is None else r.lib.unavailable()
 
 
 def isa_unavailable(isa: str) -> str | None:
     """None when the variant runs on this CPU (as ``EMBEDQ_CPU_FEATURES`` leaves it)."""
-    return None if not isa else ISA_LIBS[isa].unavailable()
-
-LAYOUTS = tuple(dict.fromkeys(r.layout for r in ROUTES))
+    return ISA_LIBS[isa].unavailable() if isa else None
 
 
-def _order() -> list[str]:
+def _order() -> list[type[Layout]]:
     """Layouts to try, in order: all of them, or those ``EMBEDQ_SERVE_KERNEL`` names
     (``torch`` = torch's weight-only ops) and then the chunked reference."""
     want = forced()
     if want is None:
         return list(LAYOUTS)
-    named = {"torch": ["int8_row", "int8_group", "int4_cpu"]}.get(want, [want] if want in LAYOUTS else [])
+    named = [c for c in LAYOUTS if c.torch_op] if want == "torch" else [_BY_NAME[want]] if want in _BY_NAME else []
     if not named:
-        raise ValueError(f"EMBEDQ_SERVE_KERNEL={want}: not one of {', '.join(LAYOUTS + ('torch',))}")
-    return named + ["chunked"]
+        raise ValueError(f"EMBEDQ_SERVE_KERNEL={want}: not one of {', '.join([*_BY_NAME, 'torch'])}")
+    return [*named, Chunked]
 
 
 def forced() -> str | None:
@@ -88,35 +111,37 @@ def forced() -> str | None:
     return os.environ.get("EMBEDQ_SERVE_KERNEL", "").strip().lower() or None
 
 
-def choose_layout(table, check) -> tuple[str, list[str]]:
-    """``(layout, reasons the better ones were refused)``; ``check(layout)`` -> None | why not."""
+def choose_layout(spec: Spec) -> tuple[type[Layout], list[str]]:
+    """``(layout, reasons the better ones were refused)`` for a table of ``spec``: the
+    first layout with a row for its device and bits that can run here and hold it."""
     why = []
+    grouping = "row" if spec.group_size is None else "group"
     for layout in _order():
-        grouping = "row" if table.group_size is None else "group"
-        rows = [r for r in ROUTES if r.layout == layout and table.bits in r.bits
-                and r.groups in ("any", grouping)]
+        rows = [r for r in ROUTES if r.layout is layout and spec.bits in r.bits and r.groups in ("any", grouping)]
         if not rows:
             continue
         dev = {r.device for r in rows}
-        if "*" not in dev and table.device.type not in dev and forced() != layout:
+        if "*" not in dev and spec.device.type not in dev and forced() != layout.name:
             continue
-        reason = check(layout)
+        reason = layout_unavailable(layout) or layout.check(spec)
         if reason is None:
             return layout, why
-        why.append(f"{layout}: {reason}")
-    return "chunked", why
+        why.append(f"{layout.name}: {reason}")
+    return Chunked, why
 
 
-def rows_for(layout: str) -> tuple[Route, ...]:
-    """The rows of ``layout`` whose ISA variant runs here (decided once, at load)."""
-    return tuple(r for r in ROUTES if r.layout == layout and isa_unavailable(r.isa) is None)
+def rows_for(layout: str | type[Layout]) -> tuple[Route, ...]:
+    """The rows of ``layout`` whose C library (if any) runs here (decided once, at load)."""
+    layout = layout_named(layout)
+    return tuple(r for r in ROUTES if r.layout is layout and _unavailable(r) is None)
 
 
-def layout_unavailable(layout: str) -> str | None:
+def layout_unavailable(layout: str | type[Layout]) -> str | None:
     """None when some row of ``layout`` can run on this CPU, else every variant's reason."""
     if rows_for(layout):
         return None
-    return "; ".join(isa_unavailable(r.isa) for r in ROUTES if r.layout == layout)
+    layout = layout_named(layout)
+    return "; ".join(_unavailable(r) for r in ROUTES if r.layout is layout)
 
 
 def kernel_for(rows: tuple[Route, ...], x: torch.Tensor) -> Route | None:
@@ -125,7 +150,7 @@ def kernel_for(rows: tuple[Route, ...], x: torch.Tensor) -> Route | None:
     for r in rows:
         if x.dtype not in r.acts or (r.m_max is not None and m > r.m_max):
             continue
-        if r.device in ("*", dev) or forced() == r.layout:  # a table moved elsewhere: chunked
+        if r.device in ("*", dev) or forced() == r.layout.name:  # a table moved elsewhere: chunked
             return r
     return None
 
@@ -136,10 +161,10 @@ def table_markdown() -> str:
             "|---|---|---|---|---|---|---|---|"]
     for r in ROUTES:
         acts = "/".join(str(a).replace("torch.", "") for a in r.acts)
-        rows.append(f"| {r.layout} | {r.device} | {r.isa or '-'} | {'/'.join(map(str, r.bits))} | {r.groups} | {acts} | "
+        rows.append(f"| {r.layout.name} | {r.device} | {r.isa or '-'} | {'/'.join(map(str, r.bits))} | {r.groups} | {acts} | "
                     f"{'1..' + str(r.m_max) if r.m_max else 'any'} | {r.why} |")
     return "\n".join(rows)
 
 
 __all__ = ["ISA_LIBS", "LAYOUTS", "ROUTES", "Route", "choose_layout", "forced", "isa_unavailable",
-           "kernel_for", "layout_unavailable", "rows_for", "table_markdown"]
+           "kernel_for", "layout_named", "layout_unavailable", "rows_for", "table_markdown"]

@@ -47,20 +47,21 @@ VARIANTS: dict[str, LazyLibrary] = {
 }
 
 
-def head(variant: str, w, s, z, bits: int, rows: int, cols: int, group: int,
+def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
          x: torch.Tensor) -> torch.Tensor:
-    """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32)."""
-    lib = VARIANTS[variant].get()
-    if lib is None:
-        raise RuntimeError(VARIANTS[variant].unavailable())
+    """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32), by the
+    build ``lib`` (one of :data:`VARIANTS`)."""
+    so = lib.get()
+    if so is None:
+        raise RuntimeError(lib.unavailable())
     xf = x.to(torch.float32).contiguous()  # exact from bf16 / f16: once per call
     M = xf.shape[0]
     out = torch.empty(M, rows, dtype=x.dtype)
-    rc = lib.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                      bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
-                      torch.get_num_threads())
+    rc = so.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
+                     bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
+                     torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"{variant} head kernel failed ({rc}: out of memory or bad shape)")
+        raise RuntimeError(f"{lib.label} failed ({rc}: out of memory or bad shape)")
     return out
 
 

@@ -15,6 +15,8 @@ has none. Per element ``|y - ref| <= (2u + K*2^-24) * A``, ``A = |x| @ |W|^T``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import os
 import warnings
@@ -165,9 +167,9 @@ def _prepared_on_cuda(monkeypatch, qt, why):
                         lambda d: seen.append(torch.device(d).type) or why)
     t = PreparedTable.from_table(qt, device="cpu", dtype=BF)
     assert t.kind != "triton" and seen == []  # CPU, not forced: the CPU kernels, no check
-    t.device = torch.device("cuda")
-    layout, refused = dispatch.choose_layout(t, t._check)
-    return t, layout, refused, seen
+    spec = dataclasses.replace(t.spec, device=torch.device("cuda"))
+    layout, refused = dispatch.choose_layout(spec)
+    return spec, layout.name, refused, seen
 
 
 @pytest.mark.parametrize("scheme", [(8, None, True), (8, 64, False), (4, 32, False)], ids=_sid)
@@ -183,9 +185,8 @@ def test_dispatch_without_triton_warns_and_falls_back(monkeypatch):
     assert layout == "chunked" and refused == ["triton: Triton is not installed"]
     # an unsupported shape is named too
     t, layout, refused, _ = _prepared_on_cuda(monkeypatch, _table(8, 64, True, rows=64), None)
-    t.group_size, t.group = 8, 8
-    layout, refused = dispatch.choose_layout(t, t._check)
-    assert layout != "triton" and "multiples of 16" in refused[0]
+    layout, refused = dispatch.choose_layout(dataclasses.replace(t, group_size=8))
+    assert layout.name != "triton" and "multiples of 16" in refused[0]
 
 
 @needs_triton

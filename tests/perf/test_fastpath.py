@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from embedq.kernels import layouts
 from embedq.kernels import prepared as fastpath
 from embedq.kernels import PreparedTable, dispatch, native_head
 from embedq.quant.rtn import quantize_rtn
@@ -151,7 +152,7 @@ def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch
 @pytest.mark.parametrize("bits,group,sym", [(8, None, False), (8, 32, True), (4, 32, False), (4, None, True)])
 def test_chunked_fallback_matches_reference(bits, group, sym, monkeypatch):
     """The fallback (and the fast paths' load-time conversion) with chunks much smaller than the table."""
-    monkeypatch.setattr(fastpath, "CHUNK_ELEMS", 96 * 100)
+    monkeypatch.setattr(layouts, "CHUNK_ELEMS", 96 * 100)
     qt = _table(bits, group, sym, 4097, 96)
     wabs = _wabs(qt)
     for prefer in ("chunked", None):
@@ -229,7 +230,7 @@ def test_int4_large_group_uses_kernel_groups(torch_layouts):
     """Per-row and groups > 256 repeat their scale over groups the int4 kernel accepts."""
     qt = _table(4, 512, False, 300, 1024)
     p = PreparedTable.from_table(qt)
-    assert p.kind == "int4_cpu" and p.kgroup == 256 and p.rep == 2
+    assert p.kind == "int4_cpu" and p.layout.kgroup == 256 and p.layout.rep == 2
     for x in _xs(1024):
         _check_linear(p, qt, x, _wabs(qt))
     assert torch.equal(p.embedding(torch.arange(300), F32), qt.dequantize(F32))

@@ -85,7 +85,7 @@ def test_dtype_follows_the_model(model_factory):
 def test_head_chunks_match_one_matmul(model_factory, monkeypatch):
     """The one chunked reference (``EMBEDQ_FASTPATH=0``: embedq.kernels' chunked layout)
     serves the loaded head in bounded chunks of rows that together equal one matmul."""
-    from embedq.kernels import prepared as kernel_prepared
+    from embedq.kernels import layouts as kernel_layouts
     src = model_factory("llama_untied_sharded")
     embedq.quantize(src, bits=4, lm_head=True, progress=False)
     monkeypatch.setenv("EMBEDQ_FASTPATH", "0")
@@ -97,11 +97,11 @@ def test_head_chunks_match_one_matmul(model_factory, monkeypatch):
     full = torch.nn.functional.linear(h, w)
     # 64-row chunks (the reference's row alignment): 1000 rows are 16 chunks, the last partial;
     # no chunk's dequantized rows exceed that bound
-    monkeypatch.setattr(kernel_prepared, "CHUNK_ELEMS", 64 * head.in_features)
+    monkeypatch.setattr(kernel_layouts, "CHUNK_ELEMS", 64 * head.in_features)
     seen = []
-    real = head.table.prepared.dequantize_range
-    monkeypatch.setattr(head.table.prepared, "dequantize_range",
-                        lambda a, b, dt: seen.append(b - a) or real(a, b, dt))
+    real = kernel_layouts.dequantize_range
+    monkeypatch.setattr(kernel_layouts, "dequantize_range",
+                        lambda lay, a, b, dt: seen.append(b - a) or real(lay, a, b, dt))
     with torch.no_grad():
         assert_logits_match(head(h), full, h, w)
         assert seen == [64] * 15 + [1000 - 15 * 64]

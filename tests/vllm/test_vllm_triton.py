@@ -60,8 +60,8 @@ def test_tied_model_served_by_triton_kernels(builder, monkeypatch, scheme, dtype
     assert p.kind == "triton" and prepared(head) is p  # one table, read by both kernels
     # the stored layout as is: packed codes + scales (+ int8 zero points), nothing else
     rows, cols = embed.num_embeddings_per_partition, p.cols
-    scale_bytes = p.scale.numel() * p.scale.element_size()
-    zp_bytes = 0 if p.zp is None else p.zp.numel()
+    scale_bytes = p.layout.scale.numel() * p.layout.scale.element_size()
+    zp_bytes = 0 if p.layout.zp is None else p.layout.zp.numel()
     assert p.nbytes == rows * cols * p.bits // 8 + scale_bytes + zp_bytes
 
     ref = reference(d, "model.embed_tokens", dt)
