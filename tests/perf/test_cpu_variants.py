@@ -27,13 +27,19 @@ from embedq.format.codec import QuantizedTable
 from embedq.format.scheme import Scheme
 from embedq.kernels import PreparedTable, dispatch
 from embedq.kernels import prepared as fastpath
+from embedq.kernels.layouts import Native
 from embedq.quant.rtn import quantize_rtn
 from tests.perf.test_fastpath import _check_linear, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# variant -> the EMBEDQ_CPU_FEATURES that selects it on a CPU that has it
-SELECT = {"avx2": "-avx512_bf16", "portable": "none"}
+# Every native row taking every activation dtype (the AVX512-BF16 row's own cases are in
+# test_fastpath.py), and the EMBEDQ_CPU_FEATURES that selects it on a CPU that has it:
+# exactly the features its library needs ("none" for the portable build). A new CPU
+# family's row is tested here with no edit.
+VARIANTS = {r.isa: r for r in dispatch.ROUTES
+            if r.layout is Native and r.lib is not None and set(r.acts) >= {BF, F16, F32}}
+SELECT = {isa: ",".join(r.lib.needs) or "none" for isa, r in VARIANTS.items()}
 
 # (bits, group, sym, rows, cols): vocab never a multiple of the 16-row block (nor of the
 # 8-block super-block), odd group counts (3 groups), per-row and every group size
@@ -77,7 +83,7 @@ def test_variant_matches_reference(variant, scale_dtype, bits, group, sym, rows,
     for m, dt in itertools.product(MS, (BF, F16, F32)):
         x = torch.randn(m, cols, generator=gen).to(dt)
         _check_linear(p, qt, x, wabs)
-        assert p.last_kernel == f"native_{variant}", (p.last_kernel, m, dt)
+        assert p.last_kernel == VARIANTS[variant].kernel, (p.last_kernel, m, dt)
     # gather from the same buffer: bit-exact
     ids = torch.tensor([0, 1, rows - 1, 17, rows // 2])
     for dt in (BF, F16, F32):
@@ -93,7 +99,7 @@ def test_variant_large_batch(variant, monkeypatch):
     x = torch.randn(256, 320, generator=torch.Generator().manual_seed(5))
     for dt in (F32, BF):
         _check_linear(p, qt, x.to(dt), _wabs(qt))
-        assert p.last_kernel == f"native_{variant}"
+        assert p.last_kernel == VARIANTS[variant].kernel
 
 
 def test_one_info_line_names_the_variant(monkeypatch, capsys):
