@@ -80,26 +80,42 @@ def kernel_cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "embedq") / "kernels"
 
 
+def cache_path(name: str, ident: object, suffix: str) -> Path:
+    """The one cache key of every built kernel (C libraries, the quantizer's AOTI packages):
+    ``<kernel_cache_dir>/<name>-<sha256(repr(ident))[:24]><suffix>``."""
+    return kernel_cache_dir() / f"{name}-{hashlib.sha256(repr(ident).encode()).hexdigest()[:24]}{suffix}"
+
+
+def publish(path: Path, make) -> None:
+    """``make(tmp)`` writes the artifact to a temporary beside ``path``, which is then
+    renamed into place: atomic, so concurrent builders are harmless and a killed one never
+    leaves a half-written file under the cached name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp{path.suffix}")
+    try:
+        make(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def library_path(name: str, source: str, flags: list[str], cc: str) -> Path:
-    ident = repr((source, flags, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
-                  cpu_ident(), sys.platform))
-    return kernel_cache_dir() / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.so"
+    return cache_path(name, (source, flags, cc, os.path.getmtime(cc) if os.path.exists(cc) else 0,
+                             cpu_ident(), sys.platform), ".so")
 
 
 def _build(cc: str, source: str, flags: list[str], libs: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-    src = tmp.with_suffix(".c")
-    try:
-        src.write_text(source)
-        r = subprocess.run([cc, *flags, "-o", str(tmp), str(src), *libs],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
-        os.replace(tmp, path)
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
+    def make(tmp: Path) -> None:
+        src = tmp.with_suffix(".c")
+        try:
+            src.write_text(source)
+            r = subprocess.run([cc, *flags, "-o", str(tmp), str(src), *libs],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
+        finally:
+            src.unlink(missing_ok=True)
+    publish(path, make)
 
 
 def load_library(name: str, source: str, flags: list[str], libs: list[str] = ()) -> ctypes.CDLL:
@@ -168,5 +184,5 @@ class LazyLibrary:
             self._lib, self._reason = None, None
 
 
-__all__ = ["LazyLibrary", "SCALE_KIND", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
-           "library_path", "load_library"]
+__all__ = ["LazyLibrary", "SCALE_KIND", "cache_path", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
+           "library_path", "load_library", "publish"]

@@ -41,7 +41,7 @@ from embedq.format.scheme import Scheme
 from embedq.format import scheme_units
 from embedq.format.scheme_units import unit_for
 from embedq.quant import native
-from embedq.quant.native import kernel_cache_dir
+from embedq.kernels.build import cache_path, publish
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,7 @@ class AotiKernels:
     @staticmethod
     def package_path(key: tuple) -> Path:
         cap = torch.backends.cpu.get_cpu_capability()
-        ident = repr((torch.__version__, cap, _source_fingerprint(), key))
-        name = hashlib.sha256(ident.encode()).hexdigest()[:24]
-        return kernel_cache_dir() / f"fused_rtn-{name}.pt2"
+        return cache_path("fused_rtn", (torch.__version__, cap, _source_fingerprint(), key), ".pt2")
 
     def _load(self, key: tuple):
         path = self.package_path(key)
@@ -218,16 +216,13 @@ class AotiKernels:
         log.info("embedq: compiling the %s kernel for %s chunks (once; cached in %s)",
                  args, list(shape), path.parent)
         ep = torch.export.export(Kernel(), (torch.zeros(shape, dtype=dtype),))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.pt2")
-        try:
+
+        def make(tmp: Path) -> None:
             # emulate_precision_casts: see _get_compiled.
             with ic.patch(emulate_precision_casts=True), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-            os.replace(tmp, path)  # atomic: concurrent builders are harmless
-        finally:
-            tmp.unlink(missing_ok=True)
+        publish(path, make)
 
 
 def _kernel_key(rows: int, cols: int, dtype: torch.dtype, scheme: Scheme,
