@@ -29,10 +29,13 @@ def gemma_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_overlays(gemma3_270m, tmp_path_factory):
-    """Gemma 3 270M overlays GGUF holds exactly: {8: int8 g32, 4: Q4 g32} (rtn, float16 scales)."""
+    """Gemma 3 270M overlays GGUF holds exactly: {8: int8 g32, 4: Q4 g32, "4h8": Q4 g32 table
+    with its own 8-bit g32 head (llama.cpp's shape)} (rtn, float16 scales)."""
     root = tmp_path_factory.mktemp("gemma-gguf-ov")
     return {8: quantize_cli(gemma3_270m, root / "q8", *FLAGS8),
-            4: quantize_cli(gemma3_270m, root / "q4", *FLAGS4)}
+            4: quantize_cli(gemma3_270m, root / "q4", *FLAGS4),
+            "4h8": quantize_cli(gemma3_270m, root / "q4h8", *FLAGS4, "--lm-head", "--head-bits", "8",
+                                "--head-group-size", "32")}
 
 
 @pytest.fixture(scope="session")

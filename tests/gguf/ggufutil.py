@@ -134,14 +134,24 @@ def same_bits(a: np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
                                                  np.ascontiguousarray(b, dtype=np.float32).view(np.uint32))
 
 
-def assert_transcoded(base: Path, out: Path, overlay: Path, mapping: dict[str, str]) -> None:
+def assert_transcoded(base: Path, out: Path, overlay: Path, mapping: dict[str, str],
+                      added: dict[str, str] | None = None) -> None:
     """OUT's ``mapping`` tensors (GGUF name -> overlay module) decode, by gguf-py, to the
     overlay's own decoding bit for bit; every other tensor's bytes and every metadata
-    entry equal BASE's."""
+    entry equal BASE's. ``added`` (new tensor -> the tensor it follows): tensors OUT adds
+    (an output.weight over a tied BASE), in ``mapping`` too."""
     from embedq.format.reader import load_overlay
     ov = load_overlay(overlay)
     b, o = tensors(base), tensors(out)
-    assert list(b) == list(o)
+    order = []
+    for name in b:
+        order.append(name)
+        order += [n for n, after in (added or {}).items() if after == name]
+    assert order == list(o)
+    for name, after in (added or {}).items():
+        ref = ov.table_for(mapping[name]).dequantize(torch.float32)
+        assert list(o[name].shape) == list(b[after].shape), name
+        assert same_bits(dequantized(o[name]), ref), f"{name} does not decode to the overlay's table"
     for name, t in b.items():
         if name in mapping:
             ref = ov.table_for(mapping[name]).dequantize(torch.float32)

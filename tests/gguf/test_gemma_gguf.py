@@ -25,6 +25,16 @@ def test_gemma_rtn_exact(gemma_gguf, gemma_overlays, gemma_outs, bits, ggml):
         assert os.path.getsize(out) < 0.7 * os.path.getsize(gemma_gguf)
 
 
+def test_gemma_q4_table_q8_head_exact(gemma_gguf, gemma_overlays, gemma_outs):
+    """Tied BASE + an overlay whose head has its own 8-bit table: token_embd Q4_0 and an
+    added output.weight Q8_0, both gguf-py-exact; everything else BASE's bytes and keys."""
+    out = gemma_outs["4h8"]
+    t = tensors(out)
+    assert (t["token_embd.weight"].tensor_type.name, t["output.weight"].tensor_type.name) == ("Q4_0", "Q8_0")
+    assert_transcoded(gemma_gguf, out, gemma_overlays["4h8"],
+                      {**EMB, "output.weight": "lm_head"}, added={"output.weight": "token_embd.weight"})
+
+
 @pytest.fixture(scope="module")
 def small_calibration(gemma3_270m):
     """gptq's statistics from 4 x 64 tokens: what is checked is that OUT keeps a gptq

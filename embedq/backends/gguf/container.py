@@ -23,7 +23,7 @@ VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, kv count
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY, _UINT32, _UINT16 = 8, 9, 4, 2
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
@@ -62,6 +62,7 @@ class GGUFFile:
     data_start: int
     tensors: tuple[TensorInfo, ...]
     architecture: str | None = None
+    split_count: int = 0           # ``split.count`` (gguf-split shards), 0 when absent
 
     def tensor(self, name: str) -> TensorInfo | None:
         return next((t for t in self.tensors if t.name == name), None)
@@ -73,16 +74,27 @@ class GGUFFile:
             n += 8 + len(t.name.encode()) + 4 + 8 * len(t.dims) + 4 + 8
         return -(-n // self.alignment) * self.alignment
 
-    def layout(self, types: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
-        """Data offsets and the file size with some tensors retyped (``types``: name ->
-        ggml type), BASE's data order kept, each tensor aligned."""
-        types = types or {}
+    def layout(self, types: dict[str, int] | None = None,
+               added: dict[str, TensorInfo] | None = None) -> tuple[tuple[TensorInfo, ...], int]:
+        """OUT's tensor infos (header order, data offsets set) and file size: some tensors
+        retyped (``types``: name -> ggml type), and ``added`` ones (after -> new tensor: its
+        info and its data right after that tensor's), BASE's order kept, each aligned."""
+        types, added = types or {}, added or {}
+
+        def with_added(seq):
+            for t in seq:
+                yield t
+                if t.name in added:
+                    yield added[t.name]
+        infos = list(with_added(self.tensors))
         offsets, pos = {}, 0
-        for t in sorted(self.tensors, key=lambda t: t.offset):
+        for t in with_added(sorted(self.tensors, key=lambda t: t.offset)):
             offsets[t.name] = pos
             pos += tensor_nbytes(t.dims, types.get(t.name, t.type))
             pos = -(-pos // self.alignment) * self.alignment
-        return offsets, self.header_bytes() + pos
+        out = tuple(TensorInfo(t.name, t.dims, types.get(t.name, t.type), offsets[t.name],
+                               tensor_nbytes(t.dims, types.get(t.name, t.type))) for t in infos)
+        return out, self.header_bytes(out) + pos
 
 
 def type_size(ggml_type: int) -> tuple[int, int]:
@@ -180,13 +192,15 @@ def _parse(m, p: Path, size: int) -> GGUFFile:
         raise GGUFError(f"{p}: GGUF version {version} is not supported (2 or 3)")
     c = _Cursor(m, p)
     c.take(HEADER.size)
-    keys, alignment, arch = [], DEFAULT_ALIGNMENT, None
+    keys, alignment, arch, split = [], DEFAULT_ALIGNMENT, None, 0
     kv_start = c.pos
     for _ in range(n_kv):
         key = c.string()
         vtype = c.u32()
         if key == "general.alignment" and vtype == _UINT32:
             alignment = struct.unpack_from("<I", m, c.pos)[0]
+        if key == "split.count" and vtype == _UINT16:
+            split = struct.unpack_from("<H", m, c.pos)[0]
         if key == "general.architecture" and vtype == _STRING:
             arch = c.string()
         else:
@@ -222,4 +236,4 @@ def _parse(m, p: Path, size: int) -> GGUFFile:
                             f"{data_start + off + nbytes}, the file has {size}")
         tensors.append(TensorInfo(name, dims, ttype, off, nbytes))
     return GGUFFile(p, size, version, n_kv, (kv_start, kv_end), tuple(keys), alignment,
-                    data_start, tuple(tensors), arch)
+                    data_start, tuple(tensors), arch, split)

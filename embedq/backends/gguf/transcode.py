@@ -4,8 +4,12 @@ OUT is BASE with ``token_embd.weight`` — and ``output.weight`` where the overl
 separate head, or where BASE has one and the overlay's head reads the embedding — holding
 the overlay's codes and scales as Q8_0 / Q4_0 blocks (a re-layout, nothing re-rounded).
 The key/value section is copied verbatim and every other tensor byte for byte, in chunks
-(BASE is never read into memory). A tied BASE (no ``output.weight``) stays tied. OUT is
-written to a temporary name and renamed; BASE and the overlay are only read.
+(BASE is never read into memory). A tied BASE (no ``output.weight``) stays tied, unless
+the overlay's head has its own table (``--head-bits``: llama.cpp's own shape, a 4-bit
+lookup and an 8-bit head): then ``output.weight`` is added right after ``token_embd``
+(the tensor count +1, no key changes: llama.cpp's loaders take an ``output.weight`` when
+present and fall back to ``token_embd``). OUT is written to a temporary name and renamed;
+BASE and the overlay are only read.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 
 from embedq.backends.gguf.blocks import BITS_TYPE, BLOCK_BYTES, QK, encode
 from embedq.backends.gguf.check import check_rows, gguf_rounding
-from embedq.backends.gguf.container import GGUFError, GGUFFile, read_gguf, tensor_nbytes
+from embedq.backends.gguf.container import HEADER, GGUFError, GGUFFile, TensorInfo, read_gguf, tensor_nbytes
 from embedq.errors import OverlayError, SchemeError
 from embedq.format.constants import is_head_name
 
@@ -91,15 +95,45 @@ def gguf_type_for(scheme, cols: int, where: str, module: str) -> int:
 
 @dataclass
 class _Job:
-    tensor: str        # GGUF tensor name
+    tensor: str        # GGUF tensor name written
     module: str        # overlay module whose table it takes
     table: object      # QuantizedTable
     scheme: object
     ggml_type: int
     source_dtype: str | None
+    against: str       # BASE tensor the table must be a quantization of (token_embd for an added head)
+    added: bool = False
 
 
-def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], bool, list[str]]:
+# Architectures whose llama.cpp loader reads the head from token_embd only, never an
+# output.weight: there an added tensor fails the load ("done_getting_tensors: wrong number of
+# tensors"). From node-llama-cpp 3.21.1's llama.cpp (ggml-org/llama.cpp src/models/*.cpp,
+# load_arch_tensors: these create `output` from LLM_TENSOR_TOKEN_EMBD with TENSOR_DUPLICATED
+# and no LLM_TENSOR_OUTPUT); every other tied architecture (llama, gemma3, qwen2/3, phi3, ...)
+# creates output.weight with TENSOR_NOT_REQUIRED and falls back to token_embd when absent.
+TOKEN_EMBD_HEAD_ONLY = frozenset({"command-r", "cohere2", "gemma", "gemma2", "gemma4-assistant",
+                                  "openelm", "pockettts"})
+
+
+def _may_add_head(base: GGUFFile, emb, head, where: str) -> None:
+    """A tied BASE, an overlay whose head has its own table: OUT gets an added output.weight
+    where llama.cpp would read it; refuse (one line) where it would not, or where the head
+    is not the embedding table's (an overlay of another model)."""
+    if emb.source.digest and head.source.digest and emb.source.digest != head.source.digest:
+        raise OverlayError(f"{where}: the overlay's head {head.name} was made from {head.source.tensor}, "
+                           f"not from its embedding table ({emb.source.tensor}), and {base.path} is tied "
+                           f"(no {OUTPUT}): an overlay of another model")
+    if base.architecture in TOKEN_EMBD_HEAD_ONLY:
+        raise SchemeError(f"{where}: the overlay's head {head.name} has its own scheme "
+                          f"({head.scheme.label()}), but llama.cpp's {base.architecture} models read the "
+                          f"head from token_embd only (no {OUTPUT}): quantize without --head-bits / "
+                          "--head-group-size (a tied head)")
+    if base.split_count > 1:
+        raise GGUFError(f"{base.path}: a split GGUF (split.count {base.split_count}): adding {OUTPUT} would "
+                        "change its shards' tensor counts; merge it first (llama-gguf-split --merge)")
+
+
+def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
     cfg = ov.parsed
     emb = [m for m in cfg.modules.values() if m.role == "embedding"]
     if len(emb) != 1:
@@ -108,37 +142,42 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], bool, list[str]]:
     tied_to = [a for a, o in cfg.aliases.items() if o == emb[0].name and is_head_name(a)]
     notes = [f"module {m.name} ({m.role}) has no GGUF tensor: left out"
              for m in cfg.modules.values() if m.role not in ("embedding", "head")]
-    pairs = [(EMBEDDING, emb[0])]
+    pairs = [(EMBEDDING, emb[0], EMBEDDING)]
     has_out = base.tensor(OUTPUT) is not None
-    if heads:
-        if not has_out:
-            raise OverlayError(f"{where}: the overlay has a separate head ({heads[0].name}) but "
-                               f"{base.path} is tied (no {OUTPUT}): an overlay of another model")
-        pairs.append((OUTPUT, heads[0]))
+    if heads and not has_out:  # tied BASE: the head's own table is a quantization of token_embd
+        _may_add_head(base, emb[0], heads[0], where)
+        pairs.append((OUTPUT, heads[0], EMBEDDING))
+        notes.append(f"{OUTPUT} added (the base is tied; the overlay's head {heads[0].name} has its own "
+                     "scheme): llama.cpp reads it for the head, token_embd for the lookup")
+    elif heads:
+        pairs.append((OUTPUT, heads[0], OUTPUT))
     elif tied_to and has_out:
-        pairs.append((OUTPUT, emb[0]))  # BASE stores the tied head twice: keep both the same
+        pairs.append((OUTPUT, emb[0], OUTPUT))  # BASE stores the tied head twice: keep both the same
     elif has_out:
         notes.append(f"{OUTPUT} kept as in the base (the overlay does not quantize the head)")
     jobs = []
-    for tensor, m in pairs:
-        info = base.tensor(tensor)
+    for tensor, m, against in pairs:
+        info = base.tensor(against)
         if info is None:
-            raise GGUFError(f"{base.path}: no {tensor} tensor (not a language model GGUF?)")
+            raise GGUFError(f"{base.path}: no {against} tensor (not a language model GGUF?)")
         rows, cols = m.shape
         if info.dims != (cols, rows):
-            raise OverlayError(f"{where}: module {m.name} is {rows}x{cols}, {base.path}'s {tensor} is "
+            raise OverlayError(f"{where}: module {m.name} is {rows}x{cols}, {base.path}'s {against} is "
                                f"{info.dims[-1] if len(info.dims) == 2 else list(info.dims)}x{info.dims[0]} "
                                "(ggml ne order [cols, rows]): an overlay of another model")
         jobs.append(_Job(tensor, m.name, ov.tables[m.name], m.scheme,
-                         gguf_type_for(m.scheme, cols, where, m.name), m.source.dtype))
-    return jobs, not has_out, notes
+                         gguf_type_for(m.scheme, cols, where, m.name), m.source.dtype, against,
+                         added=tensor != against))
+    return jobs, notes
 
 
 def _check(base: GGUFFile, f, job: _Job, where: str) -> float:
-    """The same-model check of one table, in row chunks (see :mod:`.check`)."""
+    """The same-model check of one table against BASE's ``job.against``, in row chunks
+    (see :mod:`.check`)."""
     from gguf.quants import dequantize
     import torch
-    info = base.tensor(job.tensor)
+    info = base.tensor(job.against)
+    name = f"{job.against} (for the added {job.tensor})" if job.added else job.tensor
     rows, cols = job.table.shape
     row_bytes = info.nbytes // rows
     worst = 0.0
@@ -149,10 +188,18 @@ def _check(base: GGUFFile, f, job: _Job, where: str) -> float:
         raw = np.frombuffer(f.read((r1 - r0) * row_bytes), np.uint8).reshape(r1 - r0, row_bytes)
         g = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type), dtype=np.float32).reshape(r1 - r0, cols))
         o = job.table.dequantize(torch.float32, rows=slice(r0, r1))
-        worst = max(worst, check_rows(where, job.tensor, g, gguf_rounding(raw, g, info.type), o,
+        worst = max(worst, check_rows(where, name, g, gguf_rounding(raw, g, info.type), o,
                                       job.table.scale[r0:r1], job.scheme.bits, job.scheme.method,
                                       job.source_dtype, r0))
     return worst
+
+
+def added_tensors(base: GGUFFile, jobs) -> dict[str, TensorInfo]:
+    """The tensors OUT adds (an output.weight over a tied BASE), keyed by the tensor they
+    follow (token_embd): their info and data go right after it."""
+    return {j.against: TensorInfo(j.tensor, base.tensor(j.against).dims, j.ggml_type, 0,
+                                  tensor_nbytes(base.tensor(j.against).dims, j.ggml_type))
+            for j in jobs if j.added}
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -178,17 +225,20 @@ def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str |
     info = read_gguf(base)
     ov = load_overlay(overlay)
     where = str(ov.parsed.where)
-    jobs, tied, notes = _plan(info, ov, where)
+    jobs, notes = _plan(info, ov, where)
     with open(base, "rb") as f:
         ratios = {j.tensor: _check(info, f, j, where) for j in jobs}
-        size = _write(info, f, {j.tensor: j for j in jobs}, output)
+        size = _write(info, f, jobs, output)
     tables = []
     for j in jobs:
         t = info.tensor(j.tensor)
-        tables.append(GGUFTableReport(j.tensor, j.module, list(j.table.shape), t.type_name,
-                                      {8: "Q8_0", 2: "Q4_0"}[j.ggml_type], t.nbytes,
-                                      tensor_nbytes(t.dims, j.ggml_type), j.scheme.label(),
+        dims = info.tensor(j.against).dims
+        tables.append(GGUFTableReport(j.tensor, j.module, list(j.table.shape),
+                                      "(added)" if t is None else t.type_name,
+                                      {8: "Q8_0", 2: "Q4_0"}[j.ggml_type], 0 if t is None else t.nbytes,
+                                      tensor_nbytes(dims, j.ggml_type), j.scheme.label(),
                                       round(ratios[j.tensor], 4)))
+    tied = info.tensor(OUTPUT) is None and not any(j.added for j in jobs)
     return GGUFReport(str(base), str(output), tables, tied, info.size, size,
                       round(time.time() - t0, 2), notes)
 
@@ -198,30 +248,34 @@ def _string(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _write(info: GGUFFile, f, jobs: dict[str, _Job], output: Path) -> int:
-    """Header, verbatim key/values, new tensor infos, then each tensor's data (aligned)."""
+def _write(info: GGUFFile, f, jobs: list[_Job], output: Path) -> int:
+    """Header (the tensor count with any added tensor), verbatim key/values, OUT's tensor
+    infos, then each tensor's data (aligned)."""
     from embedq.format.writer import fsync_dir
     a = info.alignment
-    types = {t.name: (jobs[t.name].ggml_type if t.name in jobs else t.type) for t in info.tensors}
-    offsets, want = info.layout(types)
+    by_name = {j.tensor: j for j in jobs}
+    tensors, want = info.layout({j.tensor: j.ggml_type for j in jobs if not j.added},
+                                added_tensors(info, jobs))
     tmp = output.with_name(f".{output.name}.{os.getpid()}.partial")
     try:
         with open(tmp, "wb") as out:
             f.seek(0)
-            out.write(f.read(info.kv_span[0]))            # magic, version, counts: unchanged
-            _copy(f, out, info.kv_span[0], info.kv_span[1] - info.kv_span[0])
-            for t in info.tensors:
+            magic, version, _, n_kv = HEADER.unpack(f.read(HEADER.size))
+            out.write(HEADER.pack(magic, version, len(tensors), n_kv))
+            _copy(f, out, HEADER.size, info.kv_span[1] - HEADER.size)   # key/values: verbatim
+            for t in tensors:
                 out.write(_string(t.name) + struct.pack(f"<I{len(t.dims)}QIQ", len(t.dims), *t.dims,
-                                                        types[t.name], offsets[t.name]))
+                                                        t.type, t.offset))
             out.write(b"\0" * (-out.tell() % a))
             data0 = out.tell()
-            assert data0 == info.header_bytes()
-            for t in sorted(info.tensors, key=lambda t: t.offset):
-                out.write(b"\0" * (data0 + offsets[t.name] - out.tell()))
-                if t.name in jobs:
-                    _write_table(out, jobs[t.name])
+            assert data0 == info.header_bytes(tensors)
+            for t in sorted(tensors, key=lambda t: t.offset):
+                out.write(b"\0" * (data0 + t.offset - out.tell()))
+                if t.name in by_name:
+                    _write_table(out, by_name[t.name])
                 else:
-                    _copy(f, out, info.data_start + t.offset, t.nbytes)
+                    src = info.tensor(t.name)
+                    _copy(f, out, info.data_start + src.offset, src.nbytes)
             out.write(b"\0" * (-(out.tell() - data0) % a))
             out.flush()
             os.fsync(out.fileno())
