@@ -167,6 +167,20 @@ def test_inspect(tiny):
     _refused(runner.invoke(app, ["inspect", str(bad)]), "not a GGUF file")
 
 
+def test_inspect_decides_by_content(tiny):
+    """A file of a checkpoint folder is named for what it is (by its bytes), not sent to
+    the GGUF reader; a GGUF file under another name is still read as GGUF."""
+    hf, base = tiny
+    _refused(runner.invoke(app, ["inspect", str(hf / "config.json")]), "a JSON file", "model's folder")
+    st = next(hf.glob("*.safetensors"))
+    _refused(runner.invoke(app, ["inspect", str(st)]), "a safetensors file")
+    other = base.parent / "renamed.bin"
+    shutil.copy(base, other)
+    res = runner.invoke(app, ["inspect", str(other), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["format"] == "gguf", res.output
+    other.unlink()
+
+
 def test_block_encoders_match_gguf_py():
     """Q8_0 / Q4_0 encoders against gguf-py's own quantizer on values already on the grid."""
     import gguf
