@@ -61,8 +61,8 @@ def main() -> None:
     for label, name, flags in configs:
         ov = work / name
         if not ov.exists():
-            subprocess.run([sys.executable, "-m", "embedq.cli", "quantize", str(hf), *flags, "-o", str(ov),
-                            "--overlay-only", "-q"], check=True, env=env)
+            subprocess.run([sys.executable, "-m", "embedq.cli", "quantize", str(hf), *flags, "-o", str(ov), "-q"],
+                           check=True, env=env)  # a derived checkpoint: `embedq eval` loads it
         out = work / f"gemma-3-270m-{name}.gguf"
         if not out.exists():
             embedq.gguf(base, ov, out)
