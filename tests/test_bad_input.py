@@ -125,8 +125,13 @@ def test_unsupported_bits(model_factory):
 def _make_readonly(path):
     """chattr +i binds root too; chmod is enough for other users."""
     if os.geteuid() == 0:
-        r = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
-        assert r.returncode == 0, f"cannot make {path} read-only as root: {r.stderr!r}"
+        try:
+            r = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+        except FileNotFoundError:
+            pytest.skip("running as root and no chattr: cannot make a folder read-only for root")
+        if r.returncode != 0:  # tmpfs / overlayfs have no immutable flag
+            pytest.skip(f"running as root and chattr +i fails on this filesystem "
+                        f"({r.stderr.decode(errors='replace').strip()[:120]}): cannot make a folder read-only")
         return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
     os.chmod(path, 0o555)
     return lambda: os.chmod(path, 0o755)
@@ -208,7 +213,7 @@ def test_killed_midway_leaves_source_intact_and_no_valid_overlay(model_factory, 
                              "--bits", "4", "--lm-head", "--chunk-rows", "128")
     assert r.returncode == -signal.SIGKILL, r.stderr
     after = snapshot(path)
-    partial = [f for f in after if f.endswith(".partial")]
+    partial = [f for f in after if "partial" in f]
     assert partial, "the kill should have hit while the overlay was being written"
     for f, h in before.items():
         assert after[f] == h  # every original file byte-identical
@@ -216,7 +221,7 @@ def test_killed_midway_leaves_source_intact_and_no_valid_overlay(model_factory, 
     # the next run cleans up and succeeds; remove restores everything
     r = _quantize_subprocess(path, {}, "--bits", "4", "--lm-head")
     assert r.returncode == 0, r.stderr
-    assert not [f for f in snapshot(path) if f.endswith(".partial")]
+    assert not [f for f in snapshot(path) if "partial" in f]
     code, out = run_cli("verify", path)
     assert code == 0, out
     code, out = run_cli("remove", path)

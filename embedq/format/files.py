@@ -140,22 +140,14 @@ def check_links(folder: str | os.PathLike, *, depth: int = 2) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary name, fsync and rename."""
-    from embedq.format.writer import fsync_dir  # imports torch: not needed by readers (inspect)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    """Write ``data`` to ``path`` through the one staging commit (format/staging.py)."""
+    from embedq.format import staging
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        staging.write_bytes(path, data)
+    except OverlayError:
+        raise
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise OverlayError(f"{path}: cannot write: {e.strerror or e}") from e
+        raise OverlayError(f"{path}: cannot write: {staging.reason(e)}") from e
 
 
 def write_json_atomic(path: Path, obj) -> None:

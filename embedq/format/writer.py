@@ -19,10 +19,10 @@ import torch
 
 from embedq.errors import OverlayError
 from embedq.format.dtypes import DTYPE_TO_ST_NAME as _ST_DTYPES
+from embedq.format.staging import fsync_dir, kill_point, partial_path  # noqa: F401 (fsync_dir: re-exported)
 
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _ST_DTYPES}
 
-PARTIAL_SUFFIX = ".partial"
 
 # Test hook: signal this process (SIGKILL by default: no cleanup at all) after N
 # data writes, so tests can prove an interrupted run never leaves a valid-looking
@@ -34,19 +34,6 @@ _writes_done = 0
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
     return _ST_DTYPES[dtype]
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class StreamingSafetensorsWriter:
@@ -63,8 +50,7 @@ class StreamingSafetensorsWriter:
     def __init__(self, path: str | os.PathLike, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, tmp_path: str | os.PathLike | None = None):
         self.path = Path(path)
-        self.tmp_path = Path(tmp_path) if tmp_path else self.path.with_name(
-            f".{self.path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        self.tmp_path = Path(tmp_path) if tmp_path else partial_path(self.path)
         self._specs: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         header: dict[str, object] = {}
         if metadata:
@@ -156,8 +142,10 @@ class StreamingSafetensorsWriter:
     def commit(self) -> Path:
         """Rename the finished file to its final name (atomic on POSIX)."""
         try:
+            kill_point("staged")
             os.replace(self.tmp_path, self.path)
             fsync_dir(self.path.parent)
+            kill_point("committed")
         except OSError as e:
             self.abort()
             raise OverlayError(f"{self.path}: cannot write overlay: {e.strerror or e}") from e

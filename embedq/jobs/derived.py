@@ -17,6 +17,7 @@ from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.checkpoint import (CONFIG_NAME, read_safetensors_header, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
 from embedq.format.config import build_config, parse_config
+from embedq.format import staging
 from embedq.format.files import check_writable, link_or_copy, stays_inside, write_json_atomic
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
@@ -63,8 +64,8 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
     overlay_only = recipe.overlay_only
     output.parent.mkdir(parents=True, exist_ok=True)
     check_writable(output.parent)
-    stage = output.parent / f".{output.name}.{os.getpid()}.partial"
-    shutil.rmtree(stage, ignore_errors=True)
+    staging.clean_leftovers(output.parent, [output.name])
+    stage = staging.partial_path(output)
     stage.mkdir()
     try:
         metadata = {"format": OVERLAY_FORMAT, "format_version": str(FORMAT_VERSION)}
@@ -104,17 +105,18 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
         write_json_atomic(stage / OUTPUT_MARKER, {"written_by": "embedq", "source": str(ckpt.path)})
         fsync_dir(stage)
         testpoint.reached("derived-staged")
-        if output.exists():
-            old = output.parent / f".{output.name}.{os.getpid()}.old"
-            os.replace(output, old)
-            os.replace(stage, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, output)
-        fsync_dir(output.parent)
+        staging.kill_point("staged")
+        staging.exchange(stage, output)  # an older output (--force) and the new swap at once
+        staging.kill_point("committed")
         return report
+    except Exception as e:
+        staging.remove(stage)
+        err = staging.renamed(e, stage, output)  # say the output's name, never the staging one
+        if err is e:
+            raise
+        raise err from e
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        staging.remove(stage)
         raise
 
 

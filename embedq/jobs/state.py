@@ -31,6 +31,7 @@ from embedq.errors import OverlayError
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
+from embedq.format import staging
 from embedq.format.files import inside, stays_inside, write_bytes_atomic, write_json_atomic
 from embedq.jobs import testpoint
 
@@ -210,7 +211,7 @@ def _drop_incomplete_state(d: Path, keep_lock: bool = False) -> None:
     if (d / STATE_FILE).exists() or d.is_symlink() or not d.is_dir():
         return
     for p in d.iterdir():
-        if p.name in BACKED_UP or (p.name == LOCK_FILE and not keep_lock) or (p.name.startswith(".") and p.name.endswith(".partial")):
+        if p.name in BACKED_UP or (p.name == LOCK_FILE and not keep_lock) or staging.leftover(p.name):
             with contextlib.suppress(OSError):
                 p.unlink()
     with contextlib.suppress(OSError):
@@ -218,16 +219,12 @@ def _drop_incomplete_state(d: Path, keep_lock: bool = False) -> None:
 
 
 def cleanup_partials(path: Path) -> list[Path]:
-    """Delete temporary files an interrupted embedq run left behind."""
+    """Delete temporary files an interrupted embedq run left behind (here and in
+    ``.embedq/``): the caller holds the folder lock, so no live run owns any of them."""
     gone = []
     d = path / STATE_DIR
-    extra = list(d.glob(".*.partial")) if d.is_dir() and not d.is_symlink() else []
-    for p in list(path.glob(".*.partial")) + extra:
-        try:
-            p.unlink()
-            gone.append(p)
-        except OSError:
-            pass
+    for folder in (path, d) if d.is_dir() and not d.is_symlink() else (path,):
+        gone += [folder / n for n in staging.clean_leftovers(folder)]
     return gone
 
 
@@ -242,7 +239,7 @@ def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
         if same:  # recreate the link (e.g. to a HF cache blob); never write through it
             if target.is_symlink() and os.readlink(target) == link:
                 return
-            tmp = path / f".{name}.{os.getpid()}.partial"
+            tmp = staging.partial_path(target)
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             os.symlink(link, tmp)
@@ -378,7 +375,7 @@ def _remove(p: Path) -> list[str]:
             raise OverlayError(f"{p}: embedq-derived checkpoint (no original to restore); "
                                "delete the folder or use its source")
         stray = [n for n in (OVERLAY_NAME, QCONFIG_NAME) if (p / n).exists()] + \
-            [x.name for x in p.glob(".*.partial")]
+            [x.name for x in p.iterdir() if staging.leftover(x.name)]
         if not stray:
             raise OverlayError(f"{p}: no embedq overlay to remove")
         for n in (OVERLAY_NAME, QCONFIG_NAME):
