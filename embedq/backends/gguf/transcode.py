@@ -8,7 +8,7 @@ The key/value section is copied verbatim and every other tensor byte for byte, i
 the overlay's head has its own table (``--head-bits``: llama.cpp's own shape, a 4-bit
 lookup and an 8-bit head): then ``output.weight`` is added right after ``token_embd``
 (the tensor count +1, no key changes: llama.cpp's loaders take an ``output.weight`` when
-present and fall back to ``token_embd``). OUT is written to a temporary name and renamed;
+present and fall back to ``token_embd``). OUT is staged (embedq.format.staging) and renamed;
 BASE and the overlay are only read.
 """
 
@@ -251,41 +251,34 @@ def _string(s: str) -> bytes:
 def _write(info: GGUFFile, f, jobs: list[_Job], output: Path) -> int:
     """Header (the tensor count with any added tensor), verbatim key/values, OUT's tensor
     infos, then each tensor's data (aligned)."""
-    from embedq.format.writer import fsync_dir
+    from embedq.format.staging import staged
     a = info.alignment
     by_name = {j.tensor: j for j in jobs}
     tensors, want = info.layout({j.tensor: j.ggml_type for j in jobs if not j.added},
                                 added_tensors(info, jobs))
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.partial")
-    try:
-        with open(tmp, "wb") as out:
-            f.seek(0)
-            magic, version, _, n_kv = HEADER.unpack(f.read(HEADER.size))
-            out.write(HEADER.pack(magic, version, len(tensors), n_kv))
-            _copy(f, out, HEADER.size, info.kv_span[1] - HEADER.size)   # key/values: verbatim
-            for t in tensors:
-                out.write(_string(t.name) + struct.pack(f"<I{len(t.dims)}QIQ", len(t.dims), *t.dims,
-                                                        t.type, t.offset))
-            out.write(b"\0" * (-out.tell() % a))
-            data0 = out.tell()
-            assert data0 == info.header_bytes(tensors)
-            for t in sorted(tensors, key=lambda t: t.offset):
-                out.write(b"\0" * (data0 + t.offset - out.tell()))
-                if t.name in by_name:
-                    _write_table(out, by_name[t.name])
-                else:
-                    src = info.tensor(t.name)
-                    _copy(f, out, info.data_start + src.offset, src.nbytes)
-            out.write(b"\0" * (-(out.tell() - data0) % a))
-            out.flush()
-            os.fsync(out.fileno())
-            size = out.tell()
-            assert size == want, (size, want)
-        os.replace(tmp, output)
-        fsync_dir(output.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # the one commit (fsync, rename, fsync the folder; a kill leaves a name the next run removes)
+    with staged(output) as tmp, open(tmp, "wb") as out:
+        f.seek(0)
+        magic, version, _, n_kv = HEADER.unpack(f.read(HEADER.size))
+        out.write(HEADER.pack(magic, version, len(tensors), n_kv))
+        _copy(f, out, HEADER.size, info.kv_span[1] - HEADER.size)   # key/values: verbatim
+        for t in tensors:
+            out.write(_string(t.name) + struct.pack(f"<I{len(t.dims)}QIQ", len(t.dims), *t.dims,
+                                                    t.type, t.offset))
+        out.write(b"\0" * (-out.tell() % a))
+        data0 = out.tell()
+        assert data0 == info.header_bytes(tensors)
+        for t in sorted(tensors, key=lambda t: t.offset):
+            out.write(b"\0" * (data0 + t.offset - out.tell()))
+            if t.name in by_name:
+                _write_table(out, by_name[t.name])
+            else:
+                src = info.tensor(t.name)
+                _copy(f, out, info.data_start + src.offset, src.nbytes)
+        out.write(b"\0" * (-(out.tell() - data0) % a))
+        out.flush()
+        size = out.tell()
+        assert size == want, (size, want)
     return size
 
 
