@@ -83,7 +83,8 @@ def inspect(path: str | os.PathLike, revision: str | None = None) -> "InspectRes
     Hub id (``org/name``: config.json and safetensors headers only, no weights): an
     :class:`embedq.jobs.inspect.InspectResult` (``.to_dict()``: what ``--json`` prints); for a
     GGUF file, its tables and the size after :func:`gguf`."""
-    if str(path).endswith(".gguf") or os.path.isfile(path):
+    from embedq.format.files import inspect_target
+    if inspect_target(path) == "gguf":  # by content; another file: one CheckpointError
         from embedq.backends.gguf import inspect_gguf
         return inspect_gguf(path)
     from embedq.jobs.inspect import inspect_checkpoint

@@ -13,8 +13,9 @@ from embedq.cli import gguf as gguf_verbs
 from embedq.cli import onnx as onnx_verbs
 from embedq.cli import publish as publish_verbs
 from embedq.cli import quality as quality_verbs
-from embedq.cli.common import fail, run
+from embedq.cli.common import announce_leftovers, describe, fail, quiet_libraries, run
 from embedq.errors import EmbedqError
+from embedq.format import staging
 from embedq.format.scheme import DEFAULT_BITS, DEFAULT_SCHEMES
 
 # the defaults as help text, from the one table (embedq/format/scheme.py)
@@ -23,6 +24,7 @@ _DEFAULT_SYMMETRY = ", ".join(f"{'sym' if s else 'asym'} for {b}-bit" for b, (_,
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Quantize embedding and lm_head tables into loadable overlays.")
+staging.on_leftovers = announce_leftovers  # what a killed run left: one line on stderr
 
 
 @app.command()
@@ -131,6 +133,7 @@ publish_verbs.register(app)
 
 
 def main() -> None:  # pragma: no cover
+    quiet_libraries()
     try:
         app()
         code = 0
@@ -138,6 +141,16 @@ def main() -> None:  # pragma: no cover
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        print("embedq: interrupted; the source checkpoint is unchanged", file=sys.stderr)
+        code = 130
+    except Exception as e:  # raised outside a verb's run(): still one line
+        from embedq.cli.common import debug
+        if debug():
+            raise
+        from embedq.cli.common import one_line
+        line, code = describe(e, None)
+        print(f"embedq: error: {one_line(line)}", file=sys.stderr)
     if "torch" in sys.modules:
         # Skip the interpreter's teardown: with torch loaded it takes ~1 s of wall (module
         # destructors), more than a small job. Every output is closed and fsynced by now;

@@ -10,35 +10,11 @@ import typer
 from embedq.cli.common import run
 
 
-def _file_kind(p: Path) -> None:
-    """A file that is not GGUF: say what it is (one line), as ``inspect`` cannot read it."""
-    from embedq.errors import EmbedqError
-    try:
-        with open(p, "rb") as f:
-            head = f.read(16)
-    except OSError as e:
-        raise EmbedqError(f"{p}: cannot read it ({e.strerror or e})") from None
-    if len(head) >= 9 and head[8:9] == b"{":  # a safetensors header: u64 length, then JSON
-        what = "a safetensors file"
-    elif head[:1] in (b"{", b"["):
-        what = "a JSON file"
-    else:
-        what = f"not a GGUF file (it starts {head[:4]!r}, GGUF files start b'GGUF')"
-    raise EmbedqError(f"{p}: {what}: give the model's folder, a Hub id or a llama.cpp .gguf file")
-
-
 def is_gguf_path(spec: str) -> bool:
-    """Whether ``embedq inspect`` was given a GGUF file, decided by its content (magic
-    ``GGUF``); another file gets one error line naming what it is; a folder or a Hub id is
-    a checkpoint."""
-    p = Path(spec)
-    if not p.is_file():
-        return spec.endswith(".gguf")  # a missing .gguf: the GGUF back end names it
-    with open(p, "rb") as f:
-        if f.read(4) == b"GGUF":
-            return True
-    run(_file_kind, p)
-    return False
+    """Whether ``embedq inspect`` was given a GGUF file, decided by its content
+    (:func:`embedq.format.files.inspect_target`); another file gets one error line."""
+    from embedq.format.files import inspect_target
+    return run(inspect_target, spec) == "gguf"
 
 
 def _backend():

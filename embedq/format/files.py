@@ -40,6 +40,30 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def inspect_target(spec: str | os.PathLike) -> str:
+    """What ``inspect`` was given, by content: ``"gguf"`` (a file starting ``GGUF``, or a
+    missing ``*.gguf``, which the GGUF reader names) or ``"checkpoint"`` (a folder or a Hub
+    id); any other file raises one ``CheckpointError`` saying what it is."""
+    from embedq.errors import CheckpointError
+    p = Path(spec)
+    if not p.is_file():
+        return "gguf" if str(spec).endswith(".gguf") and not p.exists() else "checkpoint"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read it ({e.strerror or e})") from None
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if len(head) >= 9 and head[8:9] == b"{":  # a safetensors header: u64 length, then JSON
+        what = "a safetensors file"
+    elif head.lstrip()[:1] in (b"{", b"["):
+        what = "a JSON file"
+    else:
+        what = f"not a GGUF file (it starts {head[:4]!r}, GGUF files start b'GGUF')"
+    raise CheckpointError(f"{p}: {what}: give the model's folder, a Hub id or a llama.cpp .gguf file")
+
+
 def read_roots(folder: Path) -> list[Path]:
     """Where files read on behalf of ``folder`` may resolve: the folder itself and, for a
     Hugging Face cache snapshot (``models--o--n/snapshots/<rev>[/sub]``, seen through the

@@ -54,8 +54,8 @@ KILL_POINTS = {
 _reached: dict[str, int] = {}
 
 log = logging.getLogger("embedq")
-# Where cleaned leftovers are announced (one line); the CLI points it at stderr.
-on_leftovers: Callable[[list[str]], None] | None = None
+# Where cleaned leftovers are announced: ``on_leftovers(folder, names)``; the CLI prints one line.
+on_leftovers: Callable[[Path, list[str]], None] | None = None
 
 
 def kill_point(point: str) -> None:
@@ -281,11 +281,16 @@ def clean_leftovers(folder: str | os.PathLike, names: Iterable[str] | None = Non
         gone.append(p.name)
     if gone:
         fsync_dir(folder)
-        if on_leftovers is not None:
-            on_leftovers(gone)
-        else:
-            log.info("removed leftovers of an interrupted run: %s", ", ".join(gone))
+        announce(folder, gone)
     return gone
+
+
+def announce(folder: Path, names: list[str]) -> None:
+    """Say (once, through :data:`on_leftovers` or the log) what was removed from ``folder``."""
+    if on_leftovers is not None:
+        on_leftovers(Path(folder), list(names))
+    else:
+        log.info("removed leftovers of an interrupted run in %s: %s", folder, ", ".join(names))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

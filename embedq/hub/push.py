@@ -295,6 +295,9 @@ def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revisio
     _check_repo_id(repo_id)
     if revision is not None and (not revision or any(c.isspace() for c in revision)):
         raise EmbedqError(f"--revision {revision!r}: not a branch name")
+    if not dry_run:  # a killed push's staged card (its one local write) goes first
+        from embedq.format.staging import clean_leftovers
+        clean_leftovers(folder, ["README.md"])
     files, skipped = select_files(folder, tuple(include or ())) if folder.is_dir() else ([], [])
     warnings = check_folder(folder, files)
     if dry_run and not private:

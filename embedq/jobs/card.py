@@ -95,6 +95,9 @@ def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_mo
     """
     folder = Path(folder)
     path = folder / CARD_NAME
+    if write:  # a killed run's staged card
+        from embedq.format.staging import clean_leftovers
+        clean_leftovers(folder, [CARD_NAME])
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

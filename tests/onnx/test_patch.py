@@ -149,5 +149,10 @@ def test_external_data_in_and_out(float_model, overlay_for, tmp_path):
     with pytest.raises(OnnxError, match="is the input model"):
         patch_model(inplace / "model.onnx", ov, inplace / "model.onnx")
     r3 = patch_model(inplace / "model.onnx", ov, inplace / "model.onnx", force=True)
-    assert r3.external_data and sorted(p.name for p in inplace.iterdir()) == ["model.onnx", "model.onnx.data"]
+    # the new data takes the other generation's name (never the one the old graph reads),
+    # the model is renamed last, then the old data goes: one model, one data file
+    assert r3.external_data and sorted(p.name for p in inplace.iterdir()) == ["model.onnx", "model.onnx.1.data"]
+    np.testing.assert_array_equal(run_ort(inplace / "model.onnx", ids), run_ort(ext, ids))
+    r4 = patch_model(inplace / "model.onnx", ov, inplace / "model.onnx", force=True)  # and back
+    assert r4.external_data and sorted(p.name for p in inplace.iterdir()) == ["model.onnx", "model.onnx.data"]
     np.testing.assert_array_equal(run_ort(inplace / "model.onnx", ids), run_ort(ext, ids))

@@ -222,6 +222,8 @@ def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str |
         raise GGUFError(f"{output}: is a folder; name the GGUF file to write")
     if (output.exists() or output.is_symlink()) and not force:
         raise GGUFError(f"{output}: exists (pass --force to replace it)")
+    from embedq.format.staging import clean_leftovers
+    clean_leftovers(output.parent, [output.name])  # what a killed run of this OUT left
     info = read_gguf(base)
     ov = load_overlay(overlay)
     where = str(ov.parsed.where)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -109,6 +108,11 @@ def export_float(model, path: str | os.PathLike, *, opset: int | None = None,
                                      optimize=optimize, verbose=False)
             prog.save(str(path), external_data=True)
     except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a full disk, a read-only folder: the caller names its output
+            raise cause from None
         raise OnnxError(f"torch.onnx.export failed for {type(model).__name__}: "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     return time.perf_counter() - t0
@@ -141,12 +145,17 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
         raise OnnxError(f"--dtype {dtype}: expected float32 or float16 (ONNX Runtime CPU has no bf16 kernels)")
     if out.exists() and not force:
         raise OnnxError(f"{out}: already exists (pass --force to replace it)")
+    from embedq.backends.onnx.write import data_generations
+    from embedq.format import staging
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a killed export's float model (a staging folder) and staged files go first
+    staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
     model = load_float_model(mdir, ov_dir, dtype_from_name(dtype))
-    with tempfile.TemporaryDirectory(prefix=".embedq-onnx-", dir=out.parent) as tmp:
-        fpath = Path(tmp) / "float.onnx"
+    with staging.staging_dir(out.parent, "onnx", output=out) as tmp:
+        fpath = tmp / "float.onnx"
         t_exp = export_float(model, fpath, opset=opset, optimize=optimize)
         del model
+        staging.kill_point("export-float")
         if external_data is None:  # one file unless it would not fit protobuf's 2 GB
             external_data = estimate_patched(fpath, ov_dir) > PROTOBUF_LIMIT * 0.9
         report = patch_model(fpath, ov_dir, out, external_data=external_data, force=force,

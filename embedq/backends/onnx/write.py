@@ -35,14 +35,76 @@ def _set_external(t, location: str, offset: int, length: int) -> None:
     t.ClearField("raw_data")
 
 
+def _referenced(model: Path) -> set[str] | None:
+    """The external data locations the model file at ``model`` names; None if unreadable."""
+    try:
+        import onnx
+        mp = onnx.load(str(model), load_external_data=False)
+    except Exception:  # a damaged or foreign file: it says nothing about which data is whose
+        return None
+    from onnx import TensorProto
+    return {e.value for t in iter_tensors(mp) if t.data_location == TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+
+
+def data_generations(out: Path) -> tuple[str, str]:
+    """The two names OUT's external data alternates between (``OUT.data``, ``OUT.1.data``)."""
+    return f"{out.name}.data", f"{out.name}.1.data"
+
+
+def _data_name(out: Path) -> tuple[str, set[str]]:
+    """The data file name for a new OUT and the generation names to remove after it.
+
+    The new data never takes a name the current OUT reads: renaming it over that file
+    before OUT itself would pair, until OUT is renamed, a graph with another graph's data
+    (a kill in between would keep that pairing). So an in-place patch writes the other
+    generation; the model renamed last switches both at once.
+    """
+    gens = data_generations(out)
+    if not out.exists() or not (out.parent / gens[0]).exists():
+        return gens[0], {gens[1]}
+    name = gens[1] if gens[0] in (_referenced(out) or set(gens)) else gens[0]
+    return name, {g for g in gens if g != name}
+
+
+def clean_generations(out: Path, keep: set[Path] = frozenset()) -> list[str]:
+    """Remove the data generation OUT does not read (left by a run killed after renaming
+    OUT, before removing the old data), unless it is in ``keep`` (what the source reads);
+    announce and return the names removed."""
+    from embedq.format import staging
+    now = _referenced(out) if out.is_file() else None
+    if now is None:  # no OUT, or unreadable: nothing says which data is stale
+        return []
+    gone = [g for g in data_generations(out) if g not in now and (out.parent / g).is_file()
+            and (out.parent / g).resolve() not in keep]
+    for g in gone:
+        staging.remove(out.parent / g)
+    if gone:
+        staging.announce(out.parent, gone)
+    return gone
+
+
 def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray],
-                 external: bool) -> int:
-    """Write the model (and its external data) atomically; return the bytes written."""
+                 external: bool, src_model: Path | None = None) -> int:
+    """Write the model (and its external data) atomically; return the bytes written.
+
+    Both files are staged (embedq.format.staging) and fsynced; the data is renamed to a
+    name OUT does not read yet (:func:`_data_name`), then OUT is renamed last, then the
+    previous generation is removed — unless the source model (``src_model``, when it is not
+    OUT) reads it. A kill at any point leaves the old OUT with its data,
+    or the new OUT with its data, and staging names the next run removes.
+    """
     from onnx import TensorProto, helper, numpy_helper
+    from embedq.format import staging
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_model = out.parent / f".{out.name}.embedq-tmp-{os.getpid()}"
-    data_name = f"{out.name}.data"
-    tmp_data = out.parent / f".{data_name}.embedq-tmp-{os.getpid()}"
+    data_name, stale = _data_name(out) if external else (None, set(data_generations(out)))
+    tmp_model = staging.partial_path(out)
+    tmp_data = staging.partial_path(out.parent / data_name) if external else None
+    in_place = src_model is not None and Path(src_model).resolve() == out.resolve()
+    keep = set() if in_place else {external_data(t, src_dir)[0].resolve() for t in iter_tensors(mp)
+                                   if t.data_location == TensorProto.EXTERNAL}
+    staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
+    clean_generations(out, keep)
     protos = []
     for name, arr in new_tensors.items():
         t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
@@ -102,12 +164,18 @@ def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray]
         size = len(data)
         if external:
             size += tmp_data.stat().st_size
-            os.replace(tmp_data, out.parent / data_name)
-        os.replace(tmp_model, out)
+            staging.commit(tmp_data, out.parent / data_name)
+            staging.kill_point("onnx-data")
+        staging.commit(tmp_model, out)  # last: OUT switches to its new data here
+        for g in stale:  # the generation no model reads any more (a source's data stays)
+            if (out.parent / g).is_file() and (out.parent / g).resolve() not in keep:
+                staging.remove(out.parent / g)
         return size
+    except OSError as e:
+        raise staging.renamed(e, tmp_model, out) from e
     finally:
         for p in (tmp_model, tmp_data):
-            if p.exists():
-                p.unlink()
+            if p is not None:
+                staging.remove(p)
 
 

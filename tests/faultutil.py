@@ -1,0 +1,156 @@
+"""Running ``embedq`` as a real process under faults: kills, a full disk, read-only folders.
+
+(Used by tests/test_faults.py, tests/onnx/test_onnx_faults.py, tests/gguf/test_gguf_faults.py.)
+
+A kill is placed with ``EMBEDQ_TEST_KILL_AT=<point>:<n>`` (embedq/format/staging.py): the
+``n``-th time the process reaches ``point`` it sends itself SIGKILL (or SIGINT), so every
+machine interrupts at the same step. :func:`sweep` kills at every commit of a verb in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embedq.format.staging import leftover
+
+
+def embedq(*args, kill_at: str | None = None, sig: str = "KILL", fsize: int | None = None,
+           env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m embedq.cli ARGS`` (what the console script runs), under the given fault."""
+    e = {**os.environ, **(env or {})}
+    e.pop("EMBEDQ_TEST_KILL_AT", None)
+    e.pop("EMBEDQ_DEBUG", None)
+    if kill_at:
+        e.update(EMBEDQ_TEST_KILL_AT=kill_at, EMBEDQ_TEST_KILL_SIGNAL=sig)
+
+    def pre():
+        # a shell's background job starts with SIGINT ignored: give the child a foreground
+        # run's disposition; RLIMIT_FSIZE makes writes past it fail with EFBIG (a full disk)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    return subprocess.run([sys.executable, "-m", "embedq.cli", *map(str, args)], env=e,
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=pre)
+
+
+def tree(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path``, hidden ones included; {} if it is missing."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Names under ``folder`` that are embedq staging (a killed run's leftovers)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if any(leftover(part) for part in p.relative_to(folder).parts))
+
+
+def without_leftovers(t: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in t.items() if not any(leftover(part) for part in Path(k).parts)}
+
+
+# An in-place verb changes several files; config.json is its switch, committed last (after
+# the overlay, its config and the index, which only gains entries), so a loader reads the
+# old model until config.json says otherwise. The journal (.embedq/) lets the next run or
+# `embedq remove` finish or undo the rest.
+IN_PLACE_STAGE = ("embedq.safetensors", "quantization_config.json", "model.safetensors.index.json")
+
+
+def loaded_view(t: dict[str, str]) -> dict[str, str]:
+    """What decides which model a loader reads: all but leftover staging, the journal
+    (``.embedq/``) and the files an in-place verb stages before its switch (config.json)."""
+    return {k: v for k, v in without_leftovers(t).items()
+            if not k.startswith(".embedq/") and k not in IN_PLACE_STAGE}
+
+
+def one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
+    """The process failed with exactly one ``embedq: error:`` line, last, and no traceback."""
+    assert r.returncode not in (0, -9), (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ln.startswith("embedq: error:")]
+    assert len(errs) == 1 and lines[-1] == errs[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert ".embedq-partial-" not in errs[0] and ".embedq-onnx-" not in errs[0], errs[0]
+    for n in needles:
+        assert n in errs[0], errs[0]
+    return errs[0]
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` (a folder) read-only for this user, root included: ``chattr +i`` where the
+    filesystem has it, else a read-only bind mount of itself, else skip with the reason."""
+    path = Path(path)
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(path, 0o755)
+        return
+    r = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if r.returncode == 0:
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        return
+    m = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True, text=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot make {path} read-only for root: chattr +i: {r.stderr.strip()[:80]}; "
+                    f"read-only bind mount: {m.stderr.strip()[:80]}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _settled(t: dict[str, str]) -> dict[str, str]:
+    # the lock file keeps a killed holder's pid; the flock itself died with it
+    return {k: v for k, v in without_leftovers(t).items() if k != ".embedq/lock"}
+
+
+def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
+          point: str = "committed", extra=None, limit: int = 16, view=None) -> int:
+    """Kill ``embedq ARGS`` at its 1st, 2nd, … ``point`` until a run completes; after each
+    kill ``dest`` holds the ``old`` or the ``new`` files (leftover staging aside), and a
+    rerun gives exactly ``new`` (no leftover). ``reset()`` restores the old state before
+    each kill; ``extra(n)`` checks more; ``view(tree)`` is what is compared after a kill
+    (default: all but leftover staging; in-place verbs: what a loader reads, see
+    :func:`loaded_view`). Returns the number of points killed at."""
+    view = view or without_leftovers
+    # first: killed with its first file staged and fsynced, before any rename (the largest
+    # leftover), then at every commit
+    for n, at in [(1, "staged:1")] + [(n, f"{point}:{n}") for n in range(1, limit + 1)]:
+        reset()
+        r = embedq(*args, kill_at=at)
+        if r.returncode == 0:
+            assert n > 1 and at != "staged:1", f"{at} was never reached: the sweep killed nothing"
+            assert tree(dest) == new
+            return n - 1
+        assert r.returncode == -signal.SIGKILL, (at, r.stderr)
+        now = view(tree(dest))
+        assert now in (view(old), view(new)), (at, sorted(set(now.items()) ^ set(view(old).items())))
+        if extra:
+            extra(n)
+        if _settled(tree(dest)) == _settled(new):
+            continue  # killed after its last change: complete (a rerun is refused as after any run)
+        r = embedq(*args)
+        assert r.returncode == 0, (at, r.stderr)
+        assert tree(dest) == new, (at, leftovers(dest))
+    raise AssertionError(f"still killed at {point}:{limit}")

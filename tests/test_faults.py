@@ -1,0 +1,182 @@
+"""Every writing verb as a real process, under kills, Ctrl-C, a full disk and read-only folders.
+
+Each case: the source is byte-identical afterwards; the destination holds the old state or
+the complete new one (leftover staging aside); a rerun succeeds and leaves exactly a clean
+run's files. (ONNX: tests/onnx/test_onnx_faults.py; GGUF: tests/gguf/test_gguf_faults.py.)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from faultutil import embedq, leftovers, loaded_view, one_error_line, read_only, sweep, tree
+
+KIND = "llama_untied_sharded"  # embedding and head in different shards, 4 shards
+
+
+@pytest.fixture(scope="module")
+def bundle(model_factory, tmp_path_factory):
+    """(pristine source, its overlay-only bundle, a derived checkpoint of it)."""
+    root = tmp_path_factory.mktemp("faults")
+    src = model_factory(KIND)
+    ov, derived = root / "ov", root / "derived"
+    assert embedq("quantize", src, "-q", "--lm-head", "--output", ov, "--overlay-only").returncode == 0
+    assert embedq("quantize", src, "-q", "--lm-head", "--output", derived).returncode == 0
+    return src, ov, derived
+
+
+def _fresh(src, dst):
+    def reset():
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst, symlinks=True)
+    return reset
+
+
+def _clean_run(reset, dest, *args):
+    reset()
+    r = embedq(*args)
+    assert r.returncode == 0, r.stderr
+    return tree(dest)
+
+
+def test_apply_killed_at_every_commit(bundle, tmp_path):
+    src, ov, _ = bundle
+    base, before = tmp_path / "base", tree(src)
+    reset = _fresh(src, base)
+    args = ("apply", base, "--overlay", ov)
+    new = _clean_run(reset, base, *args)
+    ov_before = tree(ov)
+
+    def overlay_untouched(n):
+        assert tree(ov) == ov_before, n
+    assert sweep(args, base, reset, before, new, view=loaded_view, extra=overlay_untouched) >= 3
+    assert tree(src) == before
+
+
+def test_remove_killed_at_every_commit(bundle, tmp_path):
+    src, ov, _ = bundle
+    base = tmp_path / "base"
+    applied = tmp_path / "applied"
+    _fresh(src, applied)()
+    assert embedq("apply", applied, "--overlay", ov).returncode == 0
+    reset = _fresh(applied, base)
+    old = tree(applied)
+    new = _clean_run(reset, base, "remove", base)
+    assert new == tree(src)  # remove restores the source byte for byte, nothing of ours left
+    assert sweep(("remove", base), base, reset, old, new, view=loaded_view) >= 1
+
+
+@pytest.mark.parametrize("where", ["output", "in-place"])
+def test_quantize_killed_at_every_commit(bundle, tmp_path, where):
+    src, _, _ = bundle
+    if where == "output":
+        model, dest = src, tmp_path / "out"
+        reset = lambda: shutil.rmtree(dest, ignore_errors=True)  # noqa: E731
+        args = ("quantize", src, "-q", "--lm-head", "--output", dest)
+        old, view = {}, None
+    else:
+        model = dest = tmp_path / "model"
+        reset = _fresh(src, model)
+        args = ("quantize", model, "-q", "--lm-head")
+        old, view = tree(src), loaded_view
+    before = tree(src)
+    new = _clean_run(reset, dest, *args)
+    assert sweep(args, dest, reset, old, new, view=view) >= 1
+    assert tree(src) == before
+    assert not leftovers(tmp_path)
+
+
+def test_card_killed(bundle, tmp_path):
+    _, _, derived = bundle
+    folder = tmp_path / "d"
+    reset = _fresh(derived, folder)
+    args = ("card", folder, "--base-model", "org/base-model")
+    old = tree(derived)
+    new = _clean_run(reset, folder, *args)
+    assert new != old
+    assert sweep(args, folder, reset, old, new) == 1
+
+
+def test_ctrl_c_at_each_commit_of_apply(bundle, tmp_path):
+    """Ctrl-C (SIGINT) at a commit: exit 130, one line, the old state or the new one, and
+    nothing of the run's staging left behind (an exception cleans up; only a kill leaves any)."""
+    src, ov, _ = bundle
+    base = tmp_path / "base"
+    reset = _fresh(src, base)
+    new = _clean_run(reset, base, "apply", base, "--overlay", ov)
+    for n in (1, 2, 3):
+        reset()
+        r = embedq("apply", base, "--overlay", ov, kill_at=f"committed:{n}", sig="INT")
+        assert r.returncode == 130, r.stderr
+        assert "Traceback" not in r.stderr and "interrupted" in r.stderr.splitlines()[-1]
+        assert loaded_view(tree(base)) in (loaded_view(tree(src)), loaded_view(new)), n
+        assert not leftovers(base), n
+
+
+@pytest.mark.parametrize("verb", ["apply", "quantize-output", "card"])
+def test_full_disk(bundle, tmp_path, verb):
+    """RLIMIT_FSIZE below the output's size: writes fail with EFBIG, as on a full disk."""
+    src, ov, derived = bundle
+    if verb == "apply":
+        dest = tmp_path / "base"
+        _fresh(src, dest)()
+        args, limit, needle = ("apply", dest, "--overlay", ov), 64 << 10, "File too large"
+    elif verb == "quantize-output":
+        dest = tmp_path / "out"
+        args, limit, needle = ("quantize", src, "-q", "--lm-head", "--output", dest), 64 << 10, "File too large"
+    else:
+        dest = tmp_path / "d"
+        _fresh(derived, dest)()
+        args, limit, needle = ("card", dest, "--base-model", "org/base-model"), 1024, "File too large"
+    old = tree(dest)
+    r = embedq(*args, fsize=limit)
+    one_error_line(r, needle, str(dest))
+    assert tree(dest) == old  # not even a staged file
+    assert not leftovers(tmp_path)
+    assert embedq(*args).returncode == 0
+
+
+@pytest.mark.parametrize("verb", ["apply", "quantize-output", "card", "remove"])
+def test_read_only_destination(bundle, tmp_path, verb):
+    src, ov, derived = bundle
+    if verb in ("apply", "remove"):
+        dest = tmp_path / "base"
+        _fresh(src, dest)()
+        if verb == "remove":
+            assert embedq("apply", dest, "--overlay", ov).returncode == 0
+        args, locked = (("apply", dest, "--overlay", ov) if verb == "apply" else ("remove", dest)), dest
+    elif verb == "quantize-output":
+        parent = tmp_path / "ro"
+        parent.mkdir()
+        dest = parent / "out"
+        args, locked = ("quantize", src, "-q", "--output", dest), parent
+    else:
+        dest = tmp_path / "d"
+        _fresh(derived, dest)()
+        args, locked = ("card", dest, "--base-model", "org/base-model"), dest
+    old = tree(dest)
+    with read_only(locked):
+        r = embedq(*args)
+    one_error_line(r, str(locked))
+    assert tree(dest) == old
+    assert embedq(*args).returncode == 0
+
+
+@pytest.mark.parametrize("garbage", ["config", "weights", "none"])
+def test_apply_garbage_overlay(bundle, tmp_path, garbage):
+    src, ov, _ = bundle
+    bad, base = tmp_path / "bad", tmp_path / "base"
+    shutil.copytree(ov, bad)
+    if garbage == "config":
+        (bad / "quantization_config.json").write_bytes(b"\x00{not json")
+    elif garbage == "weights":
+        (bad / "embedq.safetensors").write_bytes(b"\xff" * 64)
+    else:
+        shutil.rmtree(bad)
+        bad.mkdir()
+    _fresh(src, base)()
+    r = embedq("apply", base, "--overlay", bad)
+    one_error_line(r, str(bad))
+    assert tree(base) == tree(src)
