@@ -20,7 +20,8 @@ bytes *is* the uint8 table ONNX Runtime's ``com.microsoft`` block-quantized oper
 5. records what it did in ``metadata_props``; writes atomically, streaming external data
    (whose locations must stay inside the model's folder) (:mod:`.write`).
 
-An onnxruntime-genai folder (``genai_config.json``) is patched into a complete folder.
+An onnxruntime-genai folder (``genai_config.json``) is patched into a complete folder
+(:mod:`.genai`); :mod:`.report` says what was done.
 ``export_model`` exports a transformers causal LM without KV cache (a quick check; see
 docs/onnx.md for the builder / optimum path) and patches it.
 """
@@ -30,8 +31,8 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, OnnxE
                                          ort_zero_points, require_onnx)
 from embedq.backends.onnx.export import (estimate_patched, export_float, export_model,
                                          load_float_model, read_metadata)
-from embedq.backends.onnx.patch import (OnnxModuleReport, OnnxReport, default_accuracy_level,
-                                        patch_model)
+from embedq.backends.onnx.patch import default_accuracy_level, patch_model
+from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import WEBGPU_MAX_BUFFER, parse_size
 

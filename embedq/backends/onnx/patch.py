@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,96 +16,18 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DO
                                          torch_dtype_of, tensor_proto, check_external_data,
                                          onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points,
                                          require_onnx)
-from embedq.backends.onnx.common import external_data as _external_file
+from embedq.backends.onnx.genai import (GENAI_CONFIG, copy_rest, genai_provider, is_genai_folder,
+                                        model_files, open_genai_folder)
 from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
                                         overlay_targets)
+from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
 from embedq.backends.onnx.write import write_model
-from embedq.format.files import check_links, inside, name_problem
-
-
-# ---------------------------------------------------------------------- the report
-
-@dataclass
-class OnnxModuleReport:
-    module: str
-    table: str  # overlay module owning the bytes
-    op: str
-    node: str
-    replaced: str  # float initializer replaced
-    scheme: str
-    bits: int
-    block_size: int
-    blocks_per_row: int
-    source_check: str
-    float_bytes: int
-    quantized_bytes: int  # 0 when the bytes are shared with another module
-    #: row parts of a table split under max_tensor_bytes: {"rows": [start, stop], "bytes": n}
-    #: (empty: one part, the whole table)
-    parts: list = field(default_factory=list)
-
-
-@dataclass
-class OnnxReport:
-    model: str
-    output: str
-    overlay: str
-    modules: list[OnnxModuleReport]
-    initializer_bytes_before: int
-    initializer_bytes_after: int
-    file_bytes: int
-    external_data: bool
-    min_onnxruntime: str
-    seconds: float = 0.0
-    export_seconds: float | None = None
-    warnings: list[str] = field(default_factory=list)
-    accuracy_level: int | None = None  # of the MatMulNBits heads
-    max_tensor_bytes: int | None = None  # the split limit asked for (None: no split)
-    largest_initializer: int = 0  # bytes of the written graph's largest initializer
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def table(self) -> str:
-        def mb(n: int) -> str:
-            return f"{n / 2**20:.2f} MiB"
-        lines = [f"{self.output}  (from {self.model}, overlay {self.overlay})"]
-        for m in self.modules:
-            q = "shared" if m.quantized_bytes == 0 else mb(m.quantized_bytes)
-            lines.append(f"  {m.module:<28} {m.op:<21} {m.scheme:<14} block {m.block_size:<4} "
-                         f"{mb(m.float_bytes):>12} -> {q:>12}  source: {m.source_check}")
-            if m.parts:
-                lines.append(f"    {len(m.parts)} parts{' (shared)' if m.quantized_bytes == 0 else ''}: "
-                             + ", ".join(f"rows {p['rows'][0]}-{p['rows'][1]} ({mb(p['bytes'])})"
-                                         for p in m.parts))
-        lines.append(f"  initializers {mb(self.initializer_bytes_before)} -> "
-                     f"{mb(self.initializer_bytes_after)}; file(s) {mb(self.file_bytes)}"
-                     f"{' (external data)' if self.external_data else ''}; "
-                     f"needs onnxruntime >= {self.min_onnxruntime}"
-                     + ("" if self.accuracy_level is None else f"; MatMulNBits accuracy_level {self.accuracy_level}"))
-        if self.max_tensor_bytes is not None:
-            lines.append(f"  largest initializer {mb(self.largest_initializer)} "
-                         f"(limit {mb(self.max_tensor_bytes)})")
-        t = f"{self.seconds:.1f}s" if self.export_seconds is None else \
-            f"{self.seconds:.1f}s (export {self.export_seconds:.1f}s)"
-        lines.append(f"  done in {t}")
-        lines.extend(f"  warning: {w}" for w in self.warnings)
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-# --------------------------------------------------------------------------- patch
 
 #: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
 #: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
 DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "webgpu": 4}
-GENAI_CONFIG = "genai_config.json"
 
 
 def default_accuracy_level(execution_provider: str) -> int:
@@ -166,7 +88,7 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
     if execution_provider is None and target is not None:
         execution_provider = target
     src = Path(model)
-    if src.is_dir() and (src / GENAI_CONFIG).is_file():
+    if is_genai_folder(src):
         return _patch_genai_folder(src, Path(overlay), Path(output), external_data=external_data,
                                    force=force, accuracy_level=accuracy_level,
                                    execution_provider=execution_provider, max_tensor_bytes=limit)
@@ -223,7 +145,8 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
             P.warnings.append(f"initializers not from the overlay exceed --max-tensor-bytes "
                               f"{max_tensor_bytes}: {', '.join(big[:5])} (embedq splits only the tables "
                               "it quantizes)")
-    file_bytes = write_model(mp, P.G.base_dir, out_path, new_tensors, external_data)
+    file_bytes = write_model(mp, P.G.base_dir, out_path, new_tensors, external_data,
+                             src_model=src_path)
     return OnnxReport(str(src_path), str(out_path), str(ov_path), reports, bytes_before, bytes_after,
                       file_bytes, external_data, P.min_ort, time.perf_counter() - t0, None, P.warnings,
                       accuracy_level, max_tensor_bytes, largest)
@@ -294,124 +217,158 @@ def _check_sources(P: _Patch, matches: list[TableMatch]) -> list[TableMatch]:
     return kept
 
 
+class _Names:
+    """Fresh value and node names: none the graph uses, none handed out before."""
+
+    def __init__(self, taken):
+        self.taken = set(taken)
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}_{k}", k + 1
+        self.taken.add(name)
+        return name
+
+    def release(self, names) -> None:
+        self.taken.difference_update(names)
+
+
+@dataclass
+class _Quantized:
+    """One overlay table's quantized initializers in one graph dtype, shared by every
+    node that reads the table (a tied Gather and MatMulNBits)."""
+    weight: str  # initializer names (of the whole table; a split table's parts have their own)
+    scales: str
+    zp: str
+    block: int
+    nb: int  # blocks per row
+    bits: int
+    label: str  # the scheme, for the report
+    V: int
+    H: int
+    bytes: int = 0  # packed data + scales + zero points
+    #: row parts under max_tensor_bytes, as :mod:`.split` reads them (empty: not split)
+    parts: list[dict] = field(default_factory=list)
+    reshape: str | None = None  # the [V, blocks, blob] view of an unsplit table (made once)
+    used: bool = False  # a report row already counts its bytes
+
+    def shape3d(self, rows: int) -> list[int]:
+        """MatMulNBits reads B as [N, blocks, blob]."""
+        return [rows, self.nb, self.block * self.bits // 8]
+
+
+def _quantize_table(P: _Patch, module: str, gdt: torch.dtype, fresh: _Names,
+                    new_tensors: dict[str, np.ndarray]) -> _Quantized:
+    """The overlay's bytes for ``module`` in ONNX Runtime's layout, added to ``new_tensors``
+    (by rows in parts when a tensor would exceed ``P.max_tensor_bytes``)."""
+    t = P.ov.tables[module]
+    block = onnx_block_size(t.bits, t.group_size, t.cols)
+    nb = t.cols // block
+    if t.bits == 4 and nb % 2 and not t.symmetric:
+        P.min_ort = MIN_ORT_ODD_BLOCKS_4BIT
+    scales = ort_scales(t, block, gdt)
+    g = t.cols if t.group_size is None else t.group_size
+    if not torch.equal(torch.from_numpy(scales).float(), t.scale.float().repeat_interleave(g // block, 1)):
+        P.warnings.append(f"{module}: {P.cfg['modules'][module].get('scale_dtype')} scales are not "
+                          f"exactly representable in the graph's {gdt}; rounded")
+    base = module.replace("/", ".")
+    q = _Quantized(weight=fresh(f"{base}.qweight"), scales=fresh(f"{base}.qscales"),
+                   zp=fresh(f"{base}.qzero_points"), block=block, nb=nb, bits=t.bits,
+                   label=P.ov.parsed.modules[module].scheme.label(), V=t.rows, H=t.cols)
+    weight, zp = ort_weight_bytes(t), ort_zero_points(t, block)
+    ranges = row_ranges(t.rows, max(a.nbytes // t.rows for a in (weight, scales, zp)),
+                        P.max_tensor_bytes, module)
+    if len(ranges) > 1:
+        for k, (a, b) in enumerate(ranges):
+            part = {"start": a, "stop": b, "reshape": None}
+            for what, arr in (("weight", weight), ("scales", scales), ("zp", zp)):
+                part[what] = fresh(f"{getattr(q, what)}.part{k}")
+                new_tensors[part[what]] = arr[a:b]
+            part["bytes"] = sum(new_tensors[part[w]].nbytes for w in ("weight", "scales", "zp"))
+            q.parts.append(part)
+        # Only the parts are written: the whole table's names go back to the pool.
+        fresh.release((q.weight, q.scales, q.zp))
+    else:
+        new_tensors[q.weight], new_tensors[q.scales], new_tensors[q.zp] = weight, scales, zp
+    q.bytes = weight.nbytes + scales.nbytes + zp.nbytes
+    return q
+
+
 def _build_nodes(P: _Patch, matches: list[TableMatch], head_modules: dict[int, str]):
     """Step 3: quantized initializers (one set per overlay table and graph dtype) and the
     GatherBlockQuantized / MatMulNBits nodes that replace each match."""
     import onnx
     from onnx import helper
 
-    G, cfg, ov = P.G, P.cfg, P.ov
+    G = P.G
     new_tensors: dict[str, np.ndarray] = {}
-    made: dict[str, dict] = {}
+    made: dict[str, _Quantized] = {}
     reports: list[OnnxModuleReport] = []
-    used_names = set(G.inits) | {o for n in G.g.node for o in n.output} | {i.name for i in G.g.input}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in used_names:
-            name, k = f"{base}_{k}", k + 1
-        used_names.add(name)
-        return name
-
-    def quantized(module: str, gdt: torch.dtype) -> dict:
-        key = f"{module}/{gdt}"
-        if key in made:
-            return made[key]
-        t = ov.tables[module]
-        block = onnx_block_size(t.bits, t.group_size, t.cols)
-        nb = t.cols // block
-        if t.bits == 4 and nb % 2 and not t.symmetric:
-            P.min_ort = MIN_ORT_ODD_BLOCKS_4BIT
-        scales = ort_scales(t, block, gdt)
-        g = t.cols if t.group_size is None else t.group_size
-        if not torch.equal(torch.from_numpy(scales).float(), t.scale.float().repeat_interleave(g // block, 1)):
-            P.warnings.append(f"{module}: {cfg['modules'][module].get('scale_dtype')} scales are not "
-                              f"exactly representable in the graph's {gdt}; rounded")
-        base = module.replace("/", ".")
-        d = {"weight": fresh(f"{base}.qweight"), "scales": fresh(f"{base}.qscales"),
-             "zp": fresh(f"{base}.qzero_points"), "block": block, "nb": nb, "bits": t.bits,
-             "label": ov.parsed.modules[module].scheme.label(), "reshape": None, "V": t.rows, "H": t.cols}
-        weight, zp = ort_weight_bytes(t), ort_zero_points(t, block)
-        ranges = row_ranges(t.rows, max(a.nbytes // t.rows for a in (weight, scales, zp)),
-                            P.max_tensor_bytes, module)
-        d["parts"] = []
-        if len(ranges) > 1:
-            for k, (a, b) in enumerate(ranges):
-                part = {"start": a, "stop": b, "reshape": None}
-                for what, arr in (("weight", weight), ("scales", scales), ("zp", zp)):
-                    part[what] = fresh(f"{d[what]}.part{k}")
-                    new_tensors[part[what]] = arr[a:b]
-                part["bytes"] = sum(new_tensors[part[w]].nbytes for w in ("weight", "scales", "zp"))
-                d["parts"].append(part)
-            used_names.difference_update(d[w] for w in ("weight", "scales", "zp"))
-        else:
-            new_tensors[d["weight"]], new_tensors[d["scales"]], new_tensors[d["zp"]] = weight, scales, zp
-        d["bytes"] = weight.nbytes + scales.nbytes + zp.nbytes
-        made[key] = d
-        return d
-
+    fresh = _Names(set(G.inits) | {o for n in G.g.node for o in n.output} | {i.name for i in G.g.input})
     opset = next((o.version for o in P.mp.opset_import if o.domain in ("", "ai.onnx")), 13)
-    mk = NodeMaker(fresh, opset)
+    mk = NodeMaker(fresh, opset)  # the nodes and int constants of split tables
 
-    def reshape3d(q: dict, part: dict) -> str:
-        """MatMulNBits wants [N, blocks, blob]: a Reshape views the 2-D part (shared by a tied gather)."""
+    # MatMulNBits wants [N, blocks, blob]; a tied table keeps one 2-D initializer that a
+    # Reshape views. (ORT constant-folds it, and at accuracy_level 4 also prepacks B: the
+    # run-time copies are measured in docs/onnx.md.) The split and unsplit Reshapes differ
+    # in their node names, the node's domain field and where their shape constant sits
+    # among the initializers; they are built apart so that patched graphs stay byte-identical.
+    def reshape3d(q: _Quantized, part: dict) -> str:
+        """A split part's view (made once, shared by a tied gather)."""
         if part["reshape"] is None:
-            n = part["stop"] - part["start"]
-            shape = mk.const(f"{part['weight']}.shape3d", [n, q["nb"], q["block"] * q["bits"] // 8], np.int64)
+            shape = mk.const(f"{part['weight']}.shape3d", q.shape3d(part["stop"] - part["start"]), np.int64)
             part["reshape"] = mk.node("Reshape", [part["weight"], shape], f"{part['weight']}.3d")
         return part["reshape"]
 
     new_nodes: dict[int, list] = {}
-    extra_inits = []
+    extra_inits = []  # the unsplit Reshapes' shapes, then mk's constants
     for m in matches:
-        q = quantized(m.module, torch_dtype_of(G.tensor(m.init).elem_type))
-        first_use = q.get("used") is None
-        q["used"] = True
+        gdt = torch_dtype_of(G.tensor(m.init).elem_type)
+        key = f"{m.module}/{gdt}"
+        if key not in made:
+            made[key] = _quantize_table(P, m.module, gdt, fresh, new_tensors)
+        q = made[key]
+        first_use, q.used = not q.used, True
         nm = m.node.name or m.node.output[0]
-        if q["parts"]:
+        if q.parts:
             mk.nodes = []
             if m.role == "embedding":
-                split_gather(mk, q["parts"], m.node.input[1], m.node.output[0], f"{nm}_embedq", q["bits"],
-                             q["block"])
+                split_gather(mk, q.parts, m.node.input[1], m.node.output[0], f"{nm}_embedq", q.bits, q.block)
                 op = "GatherBlockQuantized"
             else:
-                for part in q["parts"]:
+                for part in q.parts:
                     reshape3d(q, part)
-                split_head(mk, q["parts"], m.node.input[0], m.node.output[0], f"{nm}_embedq", q["H"],
-                           q["bits"], q["block"], P.accuracy_level)
+                split_head(mk, q.parts, m.node.input[0], m.node.output[0], f"{nm}_embedq", q.H,
+                           q.bits, q.block, P.accuracy_level)
                 op = "MatMulNBits"
             new_nodes[id(m.node)] = mk.nodes
         elif m.role == "embedding":
             node = helper.make_node(
-                "GatherBlockQuantized", [q["weight"], m.node.input[1], q["scales"], q["zp"]],
+                "GatherBlockQuantized", [q.weight, m.node.input[1], q.scales, q.zp],
                 list(m.node.output), name=fresh(f"{nm}_embedq"), domain=MS_DOMAIN,
-                bits=q["bits"], block_size=q["block"], gather_axis=0, quantize_axis=1)
+                bits=q.bits, block_size=q.block, gather_axis=0, quantize_axis=1)
             new_nodes[id(m.node)] = [node]
             op = "GatherBlockQuantized"
         else:
-            # MatMulNBits wants [N, blocks, blob]; a tied table keeps one 2-D initializer
-            # that the Reshape views. (ORT constant-folds it, and at accuracy_level 4 also
-            # prepacks B: the run-time copies are measured in docs/onnx.md.)
             pre = []
-            if q["reshape"] is None:
-                shape_name = fresh(f"{q['weight']}.shape3d")
-                extra_inits.append(onnx.numpy_helper.from_array(
-                    np.array([q["V"], q["nb"], q["block"] * q["bits"] // 8], np.int64), shape_name))
-                q["reshape"] = fresh(f"{q['weight']}.3d")
-                pre = [helper.make_node("Reshape", [q["weight"], shape_name], [q["reshape"]],
-                                        name=fresh(f"{q['weight']}_reshape3d"))]
+            if q.reshape is None:  # the unsplit table's view (see reshape3d for why apart)
+                shape_name = fresh(f"{q.weight}.shape3d")
+                extra_inits.append(onnx.numpy_helper.from_array(np.array(q.shape3d(q.V), np.int64), shape_name))
+                q.reshape = fresh(f"{q.weight}.3d")
+                pre = [helper.make_node("Reshape", [q.weight, shape_name], [q.reshape],
+                                        name=fresh(f"{q.weight}_reshape3d"))]
             mm = helper.make_node(
-                "MatMulNBits", [m.node.input[0], q["reshape"], q["scales"], q["zp"]],
+                "MatMulNBits", [m.node.input[0], q.reshape, q.scales, q.zp],
                 list(m.node.output), name=fresh(f"{nm}_embedq"), domain=MS_DOMAIN,
-                K=q["H"], N=q["V"], bits=q["bits"], block_size=q["block"],
-                accuracy_level=P.accuracy_level)
+                K=q.H, N=q.V, bits=q.bits, block_size=q.block, accuracy_level=P.accuracy_level)
             new_nodes[id(m.node)] = pre + [mm]
             op = "MatMulNBits"
         module_name = head_modules.get(id(m.node), m.module) if m.role == "head" else m.module
         reports.append(OnnxModuleReport(
-            module_name, m.module, op, m.node.name, m.init, q["label"], q["bits"], q["block"],
-            q["nb"], m.check, 0, q["bytes"] if first_use else 0,
-            [{"rows": [p["start"], p["stop"]], "bytes": p["bytes"]} for p in q["parts"]]))
+            module_name, m.module, op, m.node.name, m.init, q.label, q.bits, q.block,
+            q.nb, m.check, 0, q.bytes if first_use else 0,
+            [{"rows": [p["start"], p["stop"]], "bytes": p["bytes"]} for p in q.parts]))
     extra_inits.extend(mk.inits)
     return new_nodes, new_tensors, extra_inits, reports
 
@@ -507,59 +464,20 @@ def _record_metadata(P: _Patch, reports: list[OnnxModuleReport]) -> None:
 
 # ------------------------------------------------------------ onnxruntime-genai folders
 
-def _genai_provider(gcfg: dict) -> str:
-    """The execution provider a genai_config.json asks for (cpu when it names none)."""
-    opts = ((gcfg.get("model") or {}).get("decoder") or {}).get("session_options", {}).get("provider_options") or []
-    for o in opts:
-        for k in (o or {}):
-            return k.lower()
-    return "cpu"
-
-
 def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: bool | None,
                         force: bool, accuracy_level: int | None,
                         execution_provider: str | None, max_tensor_bytes: int | None = None) -> OnnxReport:
     """Patch the decoder of an onnxruntime-genai folder into ``out``, a complete folder."""
-    import shutil
-    # Everything of the folder is read or copied into the output: no link may lead out.
-    check_links(src)
-    try:
-        gcfg = json.loads(inside(src, GENAI_CONFIG).read_text())
-        fname = gcfg["model"]["decoder"]["filename"]
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise OnnxError(f"{src / GENAI_CONFIG}: no model.decoder.filename ({e})") from None
-    if name_problem(fname) or not (src / fname).is_file():
-        raise OnnxError(f"{src / GENAI_CONFIG}: decoder {str(fname)[:200]!r} is not a model file in {src}")
-    model = inside(src, fname, named_by=f"{src / GENAI_CONFIG}: decoder")
-    in_place = out.exists() and out.resolve() == src.resolve()
-    if in_place and not force:
-        raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")
-    if out.exists() and not in_place:
-        if not out.is_dir():
-            raise OnnxError(f"{out}: not a folder (a genai folder is written as a folder)")
-        if any(out.iterdir()) and not force:
-            raise OnnxError(f"{out}: already exists and is not empty (pass --force to replace it)")
-    ep = execution_provider or _genai_provider(gcfg)
-    # The model's own external data files are rewritten by the patch; everything else
-    # (genai_config.json, tokenizer, chat template, processor configs) is copied as is.
-    mp = load_onnx_model(model)
-    check_external_data(mp, src, model)
-    own = {model.resolve()} | {_external_file(t, src, model)[0] for t in iter_tensors(mp)
-                               if t.data_location == tensor_proto().EXTERNAL}
-    del mp
+    folder = open_genai_folder(src, out, force)
+    ep = execution_provider or genai_provider(folder.config)
+    # The model's own external data files are rewritten by the patch; everything else is copied.
+    own = model_files(folder, load_onnx_model(folder.model))
     out.mkdir(parents=True, exist_ok=True)
-    report = _patch_file(model, ov_path, out / fname, external_data=external_data, force=force,
+    report = _patch_file(folder.model, ov_path, out / folder.decoder, external_data=external_data, force=force,
                          accuracy_level=accuracy_level, execution_provider=ep,
                          max_tensor_bytes=max_tensor_bytes)
-    if not in_place:
-        for p in sorted(src.iterdir()):
-            if p.resolve() in own or p.name.startswith("."):
-                continue
-            dst = out / p.name
-            if p.is_dir():
-                shutil.copytree(p, dst, dirs_exist_ok=True)
-            else:
-                shutil.copy2(p, dst)
+    if not folder.in_place:
+        copy_rest(folder, own)
     report.model = str(src)
     report.output = str(out)
     return report

@@ -1,0 +1,89 @@
+"""onnxruntime-genai folders: a ``genai_config.json`` beside the decoder model.
+
+:func:`~embedq.backends.onnx.patch.patch_model` patches the decoder into a new folder
+that onnxruntime_genai opens as is; this module reads and checks the folder, names the
+files the patch rewrites, and copies the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedq.backends.onnx.common import (OnnxError, check_external_data, external_data, iter_tensors,
+                                         tensor_proto)
+from embedq.format.files import check_links, inside, name_problem
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def is_genai_folder(path: Path) -> bool:
+    return path.is_dir() and (path / GENAI_CONFIG).is_file()
+
+
+def genai_provider(gcfg: dict) -> str:
+    """The execution provider a genai_config.json asks for (cpu when it names none)."""
+    opts = ((gcfg.get("model") or {}).get("decoder") or {}).get("session_options", {}).get("provider_options") or []
+    for o in opts:
+        for k in (o or {}):
+            return k.lower()
+    return "cpu"
+
+
+@dataclass
+class GenaiFolder:
+    """A checked genai folder and where its patched copy goes."""
+    src: Path
+    out: Path
+    config: dict  # genai_config.json
+    decoder: str  # model.decoder.filename, relative to src (and to out)
+    model: Path  # src / decoder, checked to stay inside src
+    in_place: bool  # out is src
+
+
+def open_genai_folder(src: Path, out: Path, force: bool) -> GenaiFolder:
+    """Read ``src``'s config and refuse, before anything is written, what cannot be patched."""
+    # Everything of the folder is read or copied into the output: no link may lead out.
+    check_links(src)
+    try:
+        gcfg = json.loads(inside(src, GENAI_CONFIG).read_text())
+        fname = gcfg["model"]["decoder"]["filename"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise OnnxError(f"{src / GENAI_CONFIG}: no model.decoder.filename ({e})") from None
+    if name_problem(fname) or not (src / fname).is_file():
+        raise OnnxError(f"{src / GENAI_CONFIG}: decoder {str(fname)[:200]!r} is not a model file in {src}")
+    model = inside(src, fname, named_by=f"{src / GENAI_CONFIG}: decoder")
+    in_place = out.exists() and out.resolve() == src.resolve()
+    if in_place and not force:
+        raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")
+    if out.exists() and not in_place:
+        if not out.is_dir():
+            raise OnnxError(f"{out}: not a folder (a genai folder is written as a folder)")
+        if any(out.iterdir()) and not force:
+            raise OnnxError(f"{out}: already exists and is not empty (pass --force to replace it)")
+    return GenaiFolder(src, out, gcfg, fname, model, in_place)
+
+
+def model_files(folder: GenaiFolder, mp) -> set[Path]:
+    """The decoder and its external data files (resolved): the patch rewrites these, so
+    they are not copied. ``mp`` is the decoder, loaded without its external data."""
+    src, model = folder.src, folder.model
+    check_external_data(mp, src, model)
+    return {model.resolve()} | {external_data(t, src, model)[0] for t in iter_tensors(mp)
+                                if t.data_location == tensor_proto().EXTERNAL}
+
+
+def copy_rest(folder: GenaiFolder, own: set[Path]) -> None:
+    """Copy everything else (genai_config.json, tokenizer, chat template, processor
+    configs) as is; hidden files stay behind."""
+    src, out = folder.src, folder.out
+    for p in sorted(src.iterdir()):
+        if p.resolve() in own or p.name.startswith("."):
+            continue
+        dst = out / p.name
+        if p.is_dir():
+            shutil.copytree(p, dst, dirs_exist_ok=True)
+        else:
+            shutil.copy2(p, dst)
