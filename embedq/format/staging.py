@@ -114,7 +114,7 @@ def reason(e: OSError) -> str:
     return e.strerror or str(e) or type(e).__name__
 
 
-def _named(e: OSError, path: Path, staged: Iterable[Path]) -> OverlayError | OSError:
+def output_error(e: OSError, path: Path, staged: Iterable[Path]) -> OverlayError | OSError:
     """``e`` about a staging name (or none) as an error naming the output ``path``."""
     fn = getattr(e, "filename", None)
     if fn is None or any(str(fn) == str(s) or str(fn).startswith(str(s) + os.sep) for s in staged):
@@ -130,7 +130,7 @@ def renamed(e: BaseException, stage: Path, output: Path) -> BaseException:
         new.__dict__.update(e.__dict__)
         return new
     if isinstance(e, OSError):
-        return _named(e, output, [stage])
+        return output_error(e, output, [stage])
     return e
 
 
@@ -161,7 +161,7 @@ def staged(path: str | os.PathLike, *, folder: bool = False) -> Iterator[Path]:
         commit(tmp, path)
     except OSError as e:
         remove(tmp)
-        err = _named(e, path, [tmp])
+        err = output_error(e, path, [tmp])
         if err is e:
             raise
         raise err from e
@@ -180,7 +180,7 @@ def staging_dir(parent: str | os.PathLike, kind: str, *, output: Path | None = N
         kill_point("stage-dir")
         yield d
     except OSError as e:
-        err = _named(e, Path(output or parent), [d])
+        err = output_error(e, Path(output or parent), [d])
         if err is e:
             raise
         raise err from e

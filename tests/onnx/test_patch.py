@@ -153,6 +153,7 @@ def test_external_data_in_and_out(float_model, overlay_for, tmp_path):
     # the model is renamed last, then the old data goes: one model, one data file
     assert r3.external_data and sorted(p.name for p in inplace.iterdir()) == ["model.onnx", "model.onnx.1.data"]
     np.testing.assert_array_equal(run_ort(inplace / "model.onnx", ids), run_ort(ext, ids))
-    r4 = patch_model(inplace / "model.onnx", ov, inplace / "model.onnx", force=True)  # and back
+    # a new graph over it: its data goes back to the first name, the old one is removed
+    r4 = patch_model(fpath, ov, inplace / "model.onnx", force=True)
     assert r4.external_data and sorted(p.name for p in inplace.iterdir()) == ["model.onnx", "model.onnx.data"]
     np.testing.assert_array_equal(run_ort(inplace / "model.onnx", ids), run_ort(ext, ids))

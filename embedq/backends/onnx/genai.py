@@ -87,3 +87,37 @@ def copy_rest(folder: GenaiFolder, own: set[Path]) -> None:
             shutil.copytree(p, dst, dirs_exist_ok=True)
         else:
             shutil.copy2(p, dst)
+
+
+def write_folder(folder: GenaiFolder, own: set[Path], patch_decoder):
+    """Write the patched folder; ``patch_decoder(path)`` patches the decoder to ``path``.
+
+    In place, the decoder's own commit applies (data generations, the model renamed last).
+    Otherwise the whole folder is staged beside OUT (``.<name>.embedq-partial-*``),
+    fsynced, and put in OUT's place at once (:func:`embedq.format.staging.exchange`): a
+    kill leaves no half folder, only staging the next run removes.
+    """
+    from dataclasses import replace
+    from embedq.format import staging
+    out = folder.out
+    if folder.in_place:
+        return patch_decoder(out / folder.decoder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging.clean_leftovers(out.parent, [out.name])
+    stage = staging.partial_path(out)
+    try:
+        stage.mkdir()
+        report = patch_decoder(stage / folder.decoder)
+        copy_rest(replace(folder, out=stage), own)
+        for f in stage.rglob("*"):
+            if f.is_file():
+                staging.fsync_file(f)
+        staging.kill_point("staged")
+        staging.exchange(stage, out)
+    except BaseException as e:
+        staging.remove(stage)
+        err = staging.renamed(e, stage, out)
+        if err is e:
+            raise
+        raise err from e
+    return report

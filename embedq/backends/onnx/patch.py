@@ -16,14 +16,14 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DO
                                          torch_dtype_of, tensor_proto, check_external_data,
                                          onnx_block_size, ort_scales, ort_weight_bytes, ort_zero_points,
                                          require_onnx)
-from embedq.backends.onnx.genai import (GENAI_CONFIG, copy_rest, genai_provider, is_genai_folder,
-                                        model_files, open_genai_folder)
+from embedq.backends.onnx.genai import (GENAI_CONFIG, genai_provider, is_genai_folder,
+                                        model_files, open_genai_folder, write_folder)
 from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
                                         overlay_targets)
 from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
-from embedq.backends.onnx.write import write_model
+from embedq.backends.onnx.write import clean_output, write_model
 
 #: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
 #: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
@@ -115,6 +115,8 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
     check_external_data(mp, src_path.parent, src_path)
+    if out_path.parent.is_dir():  # a killed patch's staging and stale data generation
+        clean_output(out_path, src_path.parent, mp, src_path)
     P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level,
                max_tensor_bytes=max_tensor_bytes)
 
@@ -472,12 +474,9 @@ def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: b
     ep = execution_provider or genai_provider(folder.config)
     # The model's own external data files are rewritten by the patch; everything else is copied.
     own = model_files(folder, load_onnx_model(folder.model))
-    out.mkdir(parents=True, exist_ok=True)
-    report = _patch_file(folder.model, ov_path, out / folder.decoder, external_data=external_data, force=force,
-                         accuracy_level=accuracy_level, execution_provider=ep,
-                         max_tensor_bytes=max_tensor_bytes)
-    if not folder.in_place:
-        copy_rest(folder, own)
+    kw = dict(external_data=external_data, force=force, accuracy_level=accuracy_level,
+              execution_provider=ep, max_tensor_bytes=max_tensor_bytes)
+    report = write_folder(folder, own, lambda decoder: _patch_file(folder.model, ov_path, decoder, **kw))
     report.model = str(src)
     report.output = str(out)
     return report

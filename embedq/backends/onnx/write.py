@@ -84,6 +84,24 @@ def clean_generations(out: Path, keep: set[Path] = frozenset()) -> list[str]:
     return gone
 
 
+def clean_output(out: Path, src_dir: Path, mp, src_model: Path | None) -> None:
+    """Before anything else of a patch to ``out``: remove what a killed run left (staged
+    files, a data generation ``out`` no longer reads), keeping what the source reads."""
+    from embedq.format import staging
+    staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
+    clean_generations(out, _source_files(out, src_dir, mp, src_model))
+
+
+def _source_files(out: Path, src_dir: Path, mp, src_model: Path | None) -> set[Path]:
+    """The data files the source reads, unless the source is ``out`` (in place: they are
+    the old generation, replaced)."""
+    from onnx import TensorProto
+    if src_model is not None and Path(src_model).resolve() == out.resolve():
+        return set()
+    return {external_data(t, src_dir)[0].resolve() for t in iter_tensors(mp)
+            if t.data_location == TensorProto.EXTERNAL}
+
+
 def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray],
                  external: bool, src_model: Path | None = None) -> int:
     """Write the model (and its external data) atomically; return the bytes written.
@@ -97,14 +115,11 @@ def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray]
     from onnx import TensorProto, helper, numpy_helper
     from embedq.format import staging
     out.parent.mkdir(parents=True, exist_ok=True)
+    keep = _source_files(out, src_dir, mp, src_model)
+    clean_output(out, src_dir, mp, src_model)
     data_name, stale = _data_name(out) if external else (None, set(data_generations(out)))
     tmp_model = staging.partial_path(out)
     tmp_data = staging.partial_path(out.parent / data_name) if external else None
-    in_place = src_model is not None and Path(src_model).resolve() == out.resolve()
-    keep = set() if in_place else {external_data(t, src_dir)[0].resolve() for t in iter_tensors(mp)
-                                   if t.data_location == TensorProto.EXTERNAL}
-    staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
-    clean_generations(out, keep)
     protos = []
     for name, arr in new_tensors.items():
         t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
@@ -171,8 +186,11 @@ def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray]
             if (out.parent / g).is_file() and (out.parent / g).resolve() not in keep:
                 staging.remove(out.parent / g)
         return size
-    except OSError as e:
-        raise staging.renamed(e, tmp_model, out) from e
+    except OSError as e:  # about a staging name: said as OUT, the name the user gave
+        err = staging.output_error(e, out, [p for p in (tmp_model, tmp_data) if p is not None])
+        if err is e:
+            raise
+        raise err from e
     finally:
         for p in (tmp_model, tmp_data):
             if p is not None:
