@@ -1,9 +1,15 @@
 /* embedq's fp32-FMA head kernel over the native blocked layout (see native_head.py).
 
-   One source, two builds (native_f32.py):
+   One source, three builds (native_f32.py):
+     avx512f   -O3 -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c  (Skylake-SP .. Ice
+               Lake, Zen 4/5: the AVX2 code with a 16-wide micro-kernel, #if EQ_AVX512)
      avx2      -O3 -mavx2 -mfma -mf16c  (x86-64-v3: the same code on every such CPU)
      portable  -O3                      (plain C the compiler vectorizes: SSE2, NEON, ...)
    The AVX2 build uses the intrinsics below (#if EQ_AVX2); the portable one the plain loops.
+   The AVX-512 micro-kernel does, lane for lane, the AVX2 one's operations (one zmm is the
+   two ymm halves of a 16-row tile; same FMA order, same accumulator split), so its results
+   are bit-identical to the AVX2 build's. -DEQ_SIMDE builds it on an AVX2 CPU over SIMDe's
+   AVX-512 emulation (tests: the same source checked where no AVX-512 CPU is at hand).
 
    Layout (the ONE prepared table, shared with the gather and the AVX512-BF16 kernel): rows in
    blocks of 16 (the last padded with zero scales), columns in pairs.
@@ -35,6 +41,15 @@
 #define EQ_AVX2 1
 #else
 #define EQ_AVX2 0
+#endif
+#if EQ_AVX2 && defined(EQ_SIMDE)  /* tests only: AVX-512 intrinsics emulated on AVX2 */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define EQ_AVX512 1
+#elif EQ_AVX2 && defined(__AVX512F__)
+#define EQ_AVX512 1
+#else
+#define EQ_AVX512 0
 #endif
 
 enum { RB = 16, SB = 4, KC = 256, MR = 6 };
@@ -154,7 +169,29 @@ static inline __attribute__((always_inline)) void micro(const int nm, const floa
         const float* restrict x, int64_t ldx, float* restrict acc, int64_t lda, int first) {
     enum { NS = 4 };
     const int ns = nm == 1 ? 4 : nm == 2 ? 2 : 1;
-#if EQ_AVX2
+#if EQ_AVX512
+    __m512 a[NS][MR];
+    for (int s = 0; s < ns; s++)
+        for (int i = 0; i < nm; i++)
+            a[s][i] = s || first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + i * lda);
+    int64_t k = 0;
+    for (; k + ns <= kc; k += ns)
+        for (int s = 0; s < ns; s++) {
+            const __m512 w0 = _mm512_loadu_ps(w + (k + s) * RB);
+            for (int i = 0; i < nm; i++)
+                a[s][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k + s]), w0, a[s][i]);
+        }
+    for (; k < kc; k++) {
+        const __m512 w0 = _mm512_loadu_ps(w + k * RB);
+        for (int i = 0; i < nm; i++)
+            a[0][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w0, a[0][i]);
+    }
+    for (int i = 0; i < nm; i++) {
+        __m512 t = a[0][i];
+        for (int s = 1; s < ns; s++) t = _mm512_add_ps(t, a[s][i]);
+        _mm512_storeu_ps(acc + i * lda, t);
+    }
+#elif EQ_AVX2
     __m256 a[NS][MR][2];
     for (int s = 0; s < ns; s++)
         for (int i = 0; i < nm; i++) {
