@@ -180,3 +180,13 @@ def test_apply_garbage_overlay(bundle, tmp_path, garbage):
     r = embedq("apply", base, "--overlay", bad)
     one_error_line(r, str(bad))
     assert tree(base) == tree(src)
+
+
+def test_verify_removes_a_killed_runs_leftovers(bundle, tmp_path):
+    src, ov, _ = bundle
+    base = tmp_path / "base"
+    _fresh(src, base)()
+    assert embedq("apply", base, "--overlay", ov, kill_at="staged:1").returncode == -9
+    assert leftovers(base)
+    r = embedq("verify", base)
+    assert "leftover(s) of an interrupted run" in r.stderr and not leftovers(base), r.stderr

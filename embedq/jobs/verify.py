@@ -71,6 +71,9 @@ def verify_overlay(path: str | os.PathLike) -> Report:
     have changed) and the reconstruction error against :func:`error_bound`.
     """
     p = Path(path)
+    if p.is_dir():  # what a killed run left here (dead runs' staging only; announced)
+        from embedq.jobs.state import cleanup_partials
+        cleanup_partials(p)
     ov = load_overlay(p)
     cfg = ov.parsed
     file = ov.file
