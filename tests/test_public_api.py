@@ -55,3 +55,21 @@ def test_inspect_result_is_typed_and_json_identical(model_factory):
     out = CliRunner().invoke(app, ["inspect", str(path), "--json"])
     assert out.exit_code == 0
     assert out.output == json.dumps(res.to_dict(), indent=2) + "\n"
+
+
+def test_inspect_decides_by_content(model_factory, tmp_path):
+    """A file that is not GGUF is named for what it is (the API and the CLI alike), not
+    sent to the GGUF reader; a GGUF file is read whatever its name."""
+    from typer.testing import CliRunner
+
+    from embedq.cli import app
+    from embedq.errors import CheckpointError
+    path = model_factory("qwen2_tied")
+    for f, what in ((path / "config.json", "a JSON file"), (path / "model.safetensors", "a safetensors file")):
+        with pytest.raises(CheckpointError, match=what):
+            embedq.inspect(f)
+        res = CliRunner().invoke(app, ["inspect", str(f)])
+        assert res.exit_code == 2 and what in res.stderr and "gguf" not in res.stderr.split(":")[-1][:8]
+    from tests.gguf.ggufutil import write_llama_gguf  # gguf: in the [test] extra
+    g = write_llama_gguf(model_factory("llama_untied_fp32"), tmp_path / "renamed.bin")
+    assert embedq.inspect(g)["format"] == "gguf"  # read by the magic, whatever the name
