@@ -127,7 +127,7 @@ def _settled(t: dict[str, str]) -> dict[str, str]:
 
 def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
           point: str = "committed", extra=None, limit: int = 16, view=None,
-          after_switch=None) -> int:
+          after_switch=None, stride: int = 1) -> int:
     """Kill ``embedq ARGS`` at its 1st, 2nd, … ``point`` until a run completes; after each
     kill ``dest`` holds the ``old`` or the ``new`` files (leftover staging aside), and a
     rerun gives exactly ``new`` (no leftover). ``reset()`` restores the old state before
@@ -135,28 +135,42 @@ def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
     (default: all but leftover staging; in-place verbs: what a loader reads, see
     :func:`loaded_view`); ``after_switch(at)`` replaces the rerun where the kill came after
     the switch to the new state (a verb that refuses to run twice, e.g. an in-place patch
-    of a patched graph) and must leave exactly ``new``. Returns the number of points killed at."""
+    of a patched graph) and must leave exactly ``new``. ``stride`` > 1 kills at every
+    stride-th commit only, the first and the last always (a verb with many alike commits).
+    Returns the number of points the verb has."""
     view = view or without_leftovers
-    # first: killed with its first file staged and fsynced, before any rename (the largest
-    # leftover), then at every commit
-    for n, at in [(1, "staged:1")] + [(n, f"{point}:{n}") for n in range(1, limit + 1)]:
+
+    def kill_at(at: str) -> bool:
+        """Kill there and check; False when the run completed before reaching it."""
         reset()
         r = embedq(*args, kill_at=at)
         if r.returncode == 0:
-            assert n > 1 and at != "staged:1", f"{at} was never reached: the sweep killed nothing"
             assert tree(dest) == new
-            return n - 1
+            return False
         assert r.returncode == -signal.SIGKILL, (at, r.stderr)
         now = view(tree(dest))
         assert now in (view(old), view(new)), (at, sorted(set(now.items()) ^ set(view(old).items())))
         if extra:
-            extra(n)
+            extra(at)
         if _settled(tree(dest)) == _settled(new):
-            continue  # killed after its last change: complete (a rerun is refused as after any run)
+            return True  # killed after its last change: complete (a rerun is refused as after any run)
         if after_switch is not None and now == view(new):
             after_switch(at)
         else:
             r = embedq(*args)
             assert r.returncode == 0, (at, r.stderr)
         assert tree(dest) == new, (at, leftovers(dest))
+        return True
+
+    # first: killed with its first file staged and fsynced, before any rename (the largest
+    # leftover), then at the commits
+    assert kill_at("staged:1"), "staged:1 was never reached: the sweep killed nothing"
+    tried = set()
+    for n in range(1, limit + 1, stride):
+        tried.add(n)
+        if not kill_at(f"{point}:{n}"):
+            assert n > 1, f"{point} was never reached: the sweep killed nothing"
+            if n - 1 not in tried:  # the stride may have skipped the last commit
+                return n - 1 if kill_at(f"{point}:{n - 1}") else n - 2
+            return n - 1
     raise AssertionError(f"still killed at {point}:{limit}")
