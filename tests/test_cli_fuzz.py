@@ -36,8 +36,8 @@ from typer.testing import CliRunner
 
 from ckptutil import snapshot
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is first imported, where possible
-
+# (The Hub is made offline per example, with monkeypatch: a module-level os.environ change
+# would leak into every later test of the session, the fake-Hub push tests included.)
 from embedq.cli import app  # noqa: E402
 
 runner = CliRunner()

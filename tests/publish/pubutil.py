@@ -49,6 +49,6 @@ def hub_env(hub, tmp_path) -> dict:
 
     from fakehub import TOKEN
     env = dict(os.environ)
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN,
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0",
                HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
     return env
