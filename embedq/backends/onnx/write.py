@@ -115,8 +115,7 @@ def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray]
     from onnx import TensorProto, helper, numpy_helper
     from embedq.format import staging
     out.parent.mkdir(parents=True, exist_ok=True)
-    keep = _source_files(out, src_dir, mp, src_model)
-    clean_output(out, src_dir, mp, src_model)
+    keep = _source_files(out, src_dir, mp, src_model)  # (the caller ran clean_output first)
     data_name, stale = _data_name(out) if external else (None, set(data_generations(out)))
     tmp_model = staging.partial_path(out)
     tmp_data = staging.partial_path(out.parent / data_name) if external else None
