@@ -13,6 +13,10 @@ if [[ -x "$MAINPY" && -f scripts/make_gemma3_fixture.py ]]; then
 fi
 export EMBEDQ_VLLM_TESTS=1 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# vLLM's and inductor's compile caches under EMBEDQ_CACHE: a fresh cache is a fresh machine;
+# within a run the float and dequantized-table models share their compiled graphs.
+export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$CACHE/vllm-cpu-compile}" \
+    TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$CACHE/vllm-cpu-compile/inductor}"
 set +e
 "$PY" -m pytest tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_install.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
 rc=$?

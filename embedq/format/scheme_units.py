@@ -134,6 +134,19 @@ class IntUnit:
         """Packed bytes [..., n] (uint8) to signed codes [..., n*per_byte] (int8)."""
         raise NotImplementedError
 
+    # The native blocked layout (kernels/native_head.py) keeps each column pair of a row
+    # as the bytes its C kernels read, ``native_pair_bytes`` of them, in ``native_dtype``.
+    native_pair_bytes: ClassVar[int]
+    native_dtype: ClassVar[str]
+
+    def to_native(self, b):
+        """Packed bytes [..., n] (uint8) to the native layout's bytes (``native_dtype``)."""
+        raise NotImplementedError
+
+    def from_native(self, b):
+        """The native layout's bytes [..., n] to signed codes [..., n*per_byte] (int8)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -168,6 +181,16 @@ class Int8(IntUnit):
     def signed_from_bytes(self, b):
         import torch
         return (b ^ self.offset).view(torch.int8)  # u - 128, wrapped into int8
+
+    # native: signed codes (the top bit of u flipped), read by the C kernels as int8 pairs
+    native_pair_bytes = 2
+    native_dtype = "int8"
+
+    def to_native(self, b):
+        return self.signed_from_bytes(b)
+
+    def from_native(self, b):
+        return b
 
 
 class Int4(IntUnit):
@@ -205,6 +228,16 @@ class Int4(IntUnit):
         import torch
         u = torch.stack((b & self.mask, b >> self.bits), dim=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
         return u.view(torch.int8) - self.offset
+
+    # native: the stored byte (two offset nibbles; the C kernels subtract the offset)
+    native_pair_bytes = 1
+    native_dtype = "uint8"
+
+    def to_native(self, b):
+        return b
+
+    def from_native(self, b):
+        return self.signed_from_bytes(b)
 
 
 INT8, INT4 = Int8(), Int4()

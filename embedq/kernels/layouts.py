@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32
-from embedq.format.scheme_units import INT4
 from embedq.kernels import native_f32, native_head, triton_head
 
 # Elements of table decoded per chunk (the reference logits, and conversion at load).
@@ -238,10 +237,9 @@ class Native(Layout):
                 None if self.z is None else native_head.group_params(self.z, ids))
 
     def rows_range(self, a, b):
-        B, K, unit = native_head.BLOCK, self.spec.cols, INT4 if self.spec.bits == 4 else None
+        B = native_head.BLOCK
         a0, b0 = a // B * B, -(-b // B) * B  # whole blocks
-        w = self.w[a0 // B: b0 // B].transpose(1, 2)
-        q = w.reshape(b0 - a0, K) if unit is None else unit.signed_from_bytes(w.reshape(b0 - a0, K // 2))
+        q = native_head.block_codes(self.w[a0 // B: b0 // B], self.spec.bits, self.spec.cols)
         s = self.s[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
         z = None if self.z is None else self.z[a0 // B: b0 // B].transpose(1, 2).reshape(b0 - a0, -1)
         sl = slice(a - a0, b - a0)

@@ -17,8 +17,9 @@ accuracy on Gemma than the table's own quantization. This kernel does neither:
   one memory operand.
 
 Layout (the ONE prepared table: the gather reads it too): rows in blocks of 16 (the last
-padded with zero scales), columns in pairs. int8: signed codes ``[NB, K/2, 16, 2]``;
-4-bit: bytes ``[NB, K/2, 16]`` holding the stored nibbles (low = column 2p, offset binary);
+padded with zero scales), columns in pairs: ``[NB, K/2, 16, pair]`` holding each pair as
+its unit's ``to_native`` bytes (format/scheme_units.py; int8: two signed codes, 4-bit: the
+stored byte of two offset nibbles, low = column 2p);
 scales ``[NB, G, 16]`` in their stored dtype; zero points ``[NB, G, 16]`` int8. Same bytes
 as the overlay plus the row padding.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from embedq.format.scheme_units import INT4
+from embedq.format.scheme_units import unit_for
 from embedq.kernels.build import SCALE_KIND, LazyLibrary
 
 # The C source beside this module (a real .c file: compilers, linters and diffs read it).
@@ -88,18 +89,15 @@ def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
 def pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
          bits: int, cols: int, step_rows: int):
     """The blocked layout ``(w, s, z)`` from overlay tensors, ``step_rows`` rows at a time."""
-    rows = packed.shape[0]
+    unit = unit_for(bits)
+    rows, pair = packed.shape[0], unit.native_pair_bytes
     nb = -(-rows // BLOCK)
-    shape = (nb, cols // 2, BLOCK, 2) if bits == 8 else (nb, cols // 2, BLOCK)
-    w = torch.empty(shape, dtype=torch.int8 if bits == 8 else torch.uint8)
+    w = torch.empty((nb, cols // 2, BLOCK, pair), dtype=getattr(torch, unit.native_dtype))
     step = max(BLOCK, step_rows // BLOCK * BLOCK)
     for a in range(0, rows, step):
         b = min(rows, a + step)
         byt = packed[a:b].contiguous().view(torch.uint8).reshape(b - a, -1)
-        if bits == 8:  # offset binary u = q + 128 -> signed q: same bytes, top bit flipped
-            blk = (byt ^ 0x80).view(torch.int8).view(b - a, cols // 2, 2)
-        else:          # bytes as stored: two offset-binary nibbles, element 0 low
-            blk = byt
+        blk = unit.to_native(byt).view(b - a, cols // 2, pair)
         pb = -(-(b - a) // BLOCK) * BLOCK
         w[a // BLOCK: a // BLOCK + pb // BLOCK] = _blocked(blk, pb)
     s = _blocked(scale, nb * BLOCK)
@@ -110,9 +108,13 @@ def pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | N
 def codes(w: torch.Tensor, bits: int, ids: torch.Tensor, cols: int) -> torch.Tensor:
     """Signed codes int8 [n, cols] of rows ``ids`` read from the blocked layout."""
     blk, lane = ids // BLOCK, ids % BLOCK
-    if bits == 8:
-        return w[blk, :, lane, :].reshape(-1, cols)
-    return INT4.signed_from_bytes(w[blk, :, lane]).reshape(-1, cols)  # [n, cols/2] stored bytes
+    return unit_for(bits).from_native(w[blk, :, lane].reshape(ids.numel(), -1)).reshape(-1, cols)
+
+
+def block_codes(w: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Signed codes int8 [16 * blocks, cols] of whole blocks ``w`` [blocks, cols/2, 16, pair]."""
+    rows = w.shape[0] * BLOCK
+    return unit_for(bits).from_native(w.transpose(1, 2).reshape(rows, -1)).reshape(rows, cols)
 
 
 def group_params(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

