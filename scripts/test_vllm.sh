@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Test embedq's vLLM back end against the real vLLM 0.33.0, in its own cached venv
-# (scripts/setup_vllm_venv.sh): tests/vllm, then the Triton kernel tests (tests/kernels)
+# (scripts/setup_vllm_venv.sh): tests/vllm, then the Triton kernel tests (tests/gpu)
 # in Triton's interpreter (TRITON_INTERPRET=1; this venv ships Triton, the main one does
 # not). Extra arguments go to the tests/vllm pytest. The whole-engine runs
 # (test_vllm_engine.py) need vLLM's CPU kernels: scripts/test_vllmcpu.sh runs them.
@@ -30,5 +30,5 @@ run() {  # run NAME PYTEST-ARGS...: collecting nothing is a failure
 run tests/vllm tests/vllm --ignore=tests/vllm/test_vllm_engine.py --confcutdir=tests/vllm "$@"
 # the interpreter runs each kernel program in numpy (tests keep shapes small): 62 tests,
 # 539 s measured at load ~20 on 2 cores (test_bench_gpu.py::test_py_dry_run the slowest, 115 s)
-TRITON_INTERPRET=1 EMBEDQ_REQUIRE_TRITON=1 run tests/kernels tests/kernels
+TRITON_INTERPRET=1 EMBEDQ_REQUIRE_TRITON=1 run tests/gpu tests/gpu
 exit $fail

@@ -187,3 +187,16 @@ def test_nibble_detector_matches_every_spelling(tmp_path):
         assert _nibble_ops(f) == [1], src
     f.write_text("x = b >> 8\ny = b & 0xFF\n")
     assert _nibble_ops(f) == []
+
+
+def test_no_test_package_shadows_an_installed_module():
+    """pytest puts ``tests/`` on sys.path for the packages under it (``tests/NAME/__init__.py``,
+    no ``tests/__init__.py``): a test package named like a real module hides it. transformers
+    5.25 imports the Hub's ``kernels`` package, which ``tests/kernels`` hid on a fresh install
+    (42 collection errors); every name is checked against the installed distributions."""
+    import importlib.metadata as md
+    tests = Path(__file__).resolve().parent
+    installed = set(md.packages_distributions())
+    packages = {p.parent.name for p in tests.glob("*/__init__.py")}
+    assert packages, "no test packages found"
+    assert not packages & installed, f"test packages named like installed modules: {packages & installed}"

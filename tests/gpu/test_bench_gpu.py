@@ -34,7 +34,7 @@ def test_sh_plan_and_arguments():
     r = _sh("--plan", "--out", "/tmp/x.json")
     assert r.returncode == 0, r.stderr
     assert "setup_vllm_venv.sh" in r.stdout and "make_gemma3_fixture.py" in r.stdout
-    assert "pytest tests/kernels/test_triton.py" in r.stdout
+    assert "pytest tests/gpu/test_triton.py" in r.stdout
     assert "bench_gpu.py --json /tmp/x.json" in r.stdout and "--dry-run" not in r.stdout
     r = _sh("--dry-run", "--skip-tests", "--plan", "--", "-n", "3")
     assert r.returncode == 0

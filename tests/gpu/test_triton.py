@@ -4,7 +4,7 @@ Runs on CUDA when there is a GPU, else in Triton's interpreter (``TRITON_INTERPR
 set here before the first kernel is built) on CPU tensors; the interpreter cannot do
 bf16, so bf16 is covered on GPUs only. Without Triton (the main venv) the kernel tests
 skip with that reason; run them in the vLLM venv, which ships Triton:
-``scripts/test_vllm.sh`` does (``~/.cache/embedq/vllm-venv/bin/python -m pytest tests/kernels``).
+``scripts/test_vllm.sh`` does (``~/.cache/embedq/vllm-venv/bin/python -m pytest tests/gpu``).
 The dispatch tests (mocked device checks) need no Triton.
 
 Logits bound (see tests/perf/test_fastpath.py for the derivation): the kernel's dot sees
