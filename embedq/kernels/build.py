@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,18 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+# OpenMP for the kernels' fan-out (eq_parallel.h): torch's own libgomp team; a compiler
+# without it builds the pthread fan-out instead.
+OPENMP = ["-fopenmp"]
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
+
+
+def c_source(path: Path) -> str:
+    """A kernel's C source with its local headers (``#include "x.h"`` beside it) inlined:
+    the cache key then covers them, and the compiler needs no include path."""
+    return _INCLUDE.sub(lambda m: (path.parent / m.group(1)).read_text(), path.read_text())
+
 
 # How a kernel reads a scale tensor's dtype (every C kernel of embedq uses these codes).
 SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -135,13 +148,15 @@ class LazyLibrary:
     ``needs``: CPU features (:func:`cpu_flags` names) the code requires, checked on every
     call (``EMBEDQ_CPU_FEATURES`` may change between loads); ``machines``: the
     ``platform.machine()`` values it compiles for (empty: any); ``setup(lib)`` declares the
-    ctypes signatures. :meth:`get` returns the library or None; :meth:`unavailable` why not.
+    ctypes signatures; ``openmp``: build with :data:`OPENMP` (the fan-out of
+    ``eq_parallel.h`` on torch's thread team), falling back to a build without it. :meth:`get` returns the library or None; :meth:`unavailable` why not.
     """
 
     def __init__(self, name: str, source, flags: list[str], libs: list[str] = (),
                  needs: tuple[str, ...] = (), machines: tuple[str, ...] = (), setup=None,
-                 label: str | None = None) -> None:
+                 label: str | None = None, openmp: bool = False) -> None:
         self.label = label or name
+        self.openmp = openmp
         self.name, self._source, self.flags, self.libs = name, source, list(flags), list(libs)
         self.needs, self.machines, self._setup = tuple(needs), tuple(machines), setup
         self._lock = threading.Lock()
@@ -162,7 +177,14 @@ class LazyLibrary:
             if self._lib is None:
                 try:
                     src = self._source() if callable(self._source) else self._source
-                    lib = load_library(self.name, src, self.flags, self.libs)
+                    lib = None
+                    if self.openmp:
+                        try:
+                            lib = load_library(self.name, src, [*self.flags, *OPENMP], self.libs)
+                        except Exception:  # noqa: BLE001 - no OpenMP here: the pthread fan-out
+                            pass
+                    if lib is None:
+                        lib = load_library(self.name, src, self.flags, self.libs)
                     if self._setup is not None:
                         self._setup(lib)
                     self._lib = lib
@@ -184,5 +206,5 @@ class LazyLibrary:
             self._lib, self._reason = None, None
 
 
-__all__ = ["LazyLibrary", "SCALE_KIND", "cache_path", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
+__all__ = ["LazyLibrary", "OPENMP", "SCALE_KIND", "c_source", "cache_path", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
            "library_path", "load_library", "publish"]

@@ -1,7 +1,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
-#include <pthread.h>
+#include "eq_parallel.h"
 #include <immintrin.h>
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
@@ -143,15 +143,13 @@ int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int b
             }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
-    if (nthreads > 64) nthreads = 64;
-    job_t jobs[64]; pthread_t th[64]; int joined[64] = {0};
+    if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
+    job_t jobs[EQ_MAX_THREADS];
     for (int t = 0; t < nthreads; t++) {
         job_t jj = {w, s, z, xp, xs, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, bits, skind};
         jobs[t] = jj;
     }
-    for (int t = 1; t < nthreads; t++) joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
-    run(&jobs[0]);
-    for (int t = 1; t < nthreads; t++) { if (joined[t]) pthread_join(th[t], NULL); else run(&jobs[t]); }
+    eq_fanout(run, jobs, sizeof(job_t), nthreads);
     free(xs); free(xp);
     return 0;
 }

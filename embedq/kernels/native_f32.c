@@ -34,7 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
-#include <pthread.h>
+#include "eq_parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -470,7 +470,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (K % 2 || g % 2 || K % g) return 2;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
-    if (nthreads > 64) nthreads = 64;
+    if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
     float* xs = NULL;  /* per-group sums of x: the zero-point term of the M <= 2 path */
     if (z && M <= 2) {
         xs = malloc(sizeof(float) * M * (K / g));
@@ -482,21 +482,14 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
                 xs[m * (K / g) + gi] = a;
             }
     }
-    job_t jobs[64]; pthread_t th[64]; int started[64] = {0};
+    job_t jobs[EQ_MAX_THREADS];
     for (int t = 0; t < nthreads; t++) {
         /* whole super-blocks per thread */
         int64_t nsb = (NB + SB - 1) / SB, a = nsb * t / nthreads * SB, b = nsb * (t + 1) / nthreads * SB;
         job_t jj = {w, s, z, x, xs, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind};
         jobs[t] = jj;
     }
-    int rc = 0;
-    for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
-    rc |= run(&jobs[0]) != NULL;
-    for (int t = 1; t < nthreads; t++) {
-        void* r = NULL;
-        if (started[t]) pthread_join(th[t], &r); else r = run(&jobs[t]);
-        rc |= r != NULL;
-    }
+    int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
     free(xs);
     return rc;
 }

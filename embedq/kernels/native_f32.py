@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from embedq.kernels.build import SCALE_KIND, LazyLibrary
+from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
 
 SOURCE = Path(__file__).with_name("native_f32.c")
 _COMMON = ["-O3", "-shared", "-fPIC", "-pthread", "-std=gnu11"]
@@ -39,18 +39,19 @@ def _setup(lib) -> None:
 
 
 def _source() -> str:
-    return SOURCE.read_text()
+    return c_source(SOURCE)
 
 
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 VARIANTS: dict[str, LazyLibrary] = {
     "avx512f": LazyLibrary("head_avx512f", _source, [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", *AVX2_FLAGS],
                            needs=("avx512f", "avx2", "fma", "f16c"), machines=("x86_64", "amd64"),
-                           setup=_setup, label="native head (AVX-512F)"),
+                           setup=_setup, label="native head (AVX-512F)", openmp=True),
     "avx2": LazyLibrary("head_avx2", _source, [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
                         needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup,
-                        label="native head (AVX2+FMA)"),
-    "portable": LazyLibrary("head_portable", _source, _COMMON, setup=_setup, label="native head (portable C)"),
+                        label="native head (AVX2+FMA)", openmp=True),
+    "portable": LazyLibrary("head_portable", _source, _COMMON, setup=_setup, label="native head (portable C)",
+                            openmp=True),
 }
 
 

@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 
 from embedq.format.scheme_units import unit_for
-from embedq.kernels.build import SCALE_KIND, LazyLibrary
+from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
 
 # The C source beside this module (a real .c file: compilers, linters and diffs read it).
 SOURCE = Path(__file__).with_name("native_bf16.c")
 
 
 def _source() -> str:
-    return SOURCE.read_text()
+    return c_source(SOURCE)
 
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
          "-shared", "-fPIC", "-pthread"]
@@ -58,7 +58,7 @@ def _setup(lib) -> None:
 
 
 LIB = LazyLibrary("head", _source, FLAGS, needs=NEEDS, machines=("x86_64", "amd64"), setup=_setup,
-                  label="native head (AVX512-BF16)")
+                  label="native head (AVX512-BF16)", openmp=True)
 
 
 def unavailable() -> str | None:

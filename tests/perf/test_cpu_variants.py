@@ -184,3 +184,39 @@ def _check_linear_result(qt, x, got):
         def describe(self):
             return "native_avx512f (SIMDe)"
     _check_linear(_Fixed(), qt, x, _wabs(qt))
+
+
+# --- the thread fan-out (eq_parallel.h) ------------------------------------------------------
+def test_fanout_runs_on_torchs_openmp_and_pthreads_agree(monkeypatch):
+    """The head kernels fan out on torch's own OpenMP team (one libgomp in the process: the
+    library's DT_NEEDED libgomp.so.1 resolves to the one torch loaded), and a build without
+    OpenMP (the pthread fan-out, for compilers that lack it) gives the same bits."""
+    import os
+    from embedq.kernels import native_f32
+    from embedq.kernels.build import LazyLibrary
+    isa = dispatch.rows_for("native")[0].isa if dispatch.rows_for("native") else None
+    if isa not in native_f32.VARIANTS:
+        pytest.skip(f"no native_f32 build runs here ({dispatch.layout_unavailable('native')})")
+    omp = native_f32.VARIANTS[isa]
+    assert omp.openmp and omp.get() is not None, omp.unavailable()
+    assert b"GOMP_parallel" in open(omp.get()._name, "rb").read(), "built without OpenMP"
+    maps = {line.split()[-1] for line in open(f"/proc/{os.getpid()}/maps") if "libgomp" in line}
+    assert len(maps) == 1, f"two OpenMP runtimes in one process: {sorted(maps)}"
+    plain = LazyLibrary(f"{omp.name}_pthread", native_f32._source, omp.flags, needs=omp.needs,
+                        machines=omp.machines, setup=native_f32._setup, label=f"{omp.label} (pthreads)")
+    assert plain.get() is not None, plain.unavailable()
+    assert b"GOMP_parallel" not in open(plain.get()._name, "rb").read()
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT[isa])
+    for bits, group, sym in ((8, 64, True), (4, 32, False)):
+        qt = _table(bits, group, sym, 1001, 192, BF)
+        p = PreparedTable.from_table(qt)
+        L, sp = p.layout, p.layout.spec
+        for m, dt, threads in itertools.product((1, 3, 17), (BF, F32), (1, 2, 3)):
+            x = torch.randn(m, sp.cols, generator=torch.Generator().manual_seed(m)).to(dt)
+            args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert torch.equal(native_f32.head(omp, *args), native_f32.head(plain, *args)), (bits, m, dt)
+            finally:
+                torch.set_num_threads(old)
