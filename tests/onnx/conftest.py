@@ -150,3 +150,48 @@ def overlay(checkpoints, onnx_root):
             cache[key] = dst
         return cache[key]
     return get
+
+
+# ------------------------------------------------------------------ Gemma 3 270M (slow tests)
+
+@pytest.fixture(scope="session")
+def gemma3_q4_export(gemma3_270m, tmp_path_factory):
+    """Gemma 3 270M quantized in place at 4 bits (g32 sym) and exported once with the real
+    verb, ``export_model`` (optimize=False, accuracy_level=0): a dict with ``ckpt``, ``out``
+    (the patched graph), ``report``, ``seconds`` (quantize + export) and ``float`` (the
+    float graph the export patched, kept from its staging folder).
+
+    The float export of Gemma (torch.onnx, dynamo) costs ~45 s on 2 cores and its graph does
+    not depend on the overlay: test_onnx_real_gemma3 checks the export itself, and
+    test_webgpu_real patches the same float graph with its split instead of exporting again.
+    """
+    import time
+
+    import embedq
+    import embedq.backends.onnx.export as export_mod
+    from embedq.format.files import link_checkpoint
+    root = tmp_path_factory.mktemp("gemma3-onnx")
+    ckpt = link_checkpoint(gemma3_270m, root / "gemma3-270m")  # shards hard-linked: read-only use
+    keep = root / "float"
+    real_patch = export_mod.patch_model
+
+    def keep_float(fpath, *args, **kwargs):
+        # export_model's staging folder goes when it returns: hard links keep its float
+        # graph (the model and its external data) without copying ~1 GB
+        keep.mkdir()
+        for f in Path(fpath).parent.iterdir():
+            if f.is_file():
+                os.link(f, keep / f.name)
+        return real_patch(fpath, *args, **kwargs)
+
+    t0 = time.perf_counter()
+    embedq.quantize(ckpt, bits=4, progress=False)  # in place: g32 symmetric
+    out = root / "gemma3-270m-q4.onnx"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_mod, "patch_model", keep_float)
+        # optimize=False: onnxscript's optimizer roughly doubles the export time here
+        report = export_mod.export_model(ckpt, out, optimize=False, accuracy_level=0)  # float activations
+    float_onnx = keep / "float.onnx"
+    assert float_onnx.is_file(), sorted(p.name for p in keep.iterdir())
+    return {"ckpt": ckpt, "out": out, "report": report, "float": float_onnx,
+            "seconds": time.perf_counter() - t0}

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import embedq
-from embedq.backends.onnx import export_model, read_metadata
+from embedq.backends.onnx import read_metadata
 from onnxutil import reference_logits, run_ort
 
 TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. "
@@ -18,13 +18,12 @@ TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. "
 
 
 @pytest.mark.slow
-def test_gemma3_270m_export_patch_q4(gemma3_copy, tmp_path):
+def test_gemma3_270m_export_patch_q4(gemma3_q4_export):
     from transformers import AutoTokenizer
-    t0 = time.perf_counter()
-    embedq.quantize(gemma3_copy, bits=4, progress=False)  # in place: g32 symmetric
-    out = tmp_path / "gemma3-270m-q4.onnx"
-    # optimize=False: onnxscript's optimizer roughly doubles the export time here
-    report = export_model(gemma3_copy, out, optimize=False, accuracy_level=0)  # float activations
+    # quantized in place (Q4 g32 sym) and exported by export_model in the session fixture
+    # (tests/onnx/conftest.py), whose float graph test_webgpu_real reuses
+    gemma3_copy, out, report = gemma3_q4_export["ckpt"], gemma3_q4_export["out"], gemma3_q4_export["report"]
+    t0 = time.perf_counter() - gemma3_q4_export["seconds"]
     V, H = 262144, 640
     emb, head = report.modules
     assert (emb.op, head.op) == ("GatherBlockQuantized", "MatMulNBits")

@@ -17,19 +17,23 @@ WEBGPU = "WebGpuExecutionProvider"
 
 
 @pytest.mark.slow
-def test_gemma3_270m_q4_split_on_webgpu(gemma3_270m, tmp_path):
+def test_gemma3_270m_q4_split_on_webgpu(gemma3_270m, gemma3_q4_export, tmp_path):
     import embedq
     from transformers import AutoTokenizer
 
-    from embedq.backends.onnx import export_model
+    from embedq.backends.onnx import patch_model
     from embedq.backends.onnx.split import WEBGPU_MAX_BUFFER, row_ranges
     webgpu.webgpu_env()
     ov = tmp_path / "ov"
     embedq.quantize(gemma3_270m, bits=4, output=ov, overlay_only=True, progress=False)
     out = tmp_path / "gemma3-q4-webgpu.onnx"
     limit = 32 << 20
-    r = export_model(gemma3_270m, out, overlay=ov, optimize=False, accuracy_level=0,
-                     target="webgpu", max_tensor_bytes="32MiB")
+    # the float graph `onnx export` made of Gemma (tests/onnx/conftest.py, shared with
+    # test_onnx_real_gemma3: a second torch.onnx export cost ~45 s) patched as
+    # `export_model(..., target="webgpu", max_tensor_bytes="32MiB")` patches it; one file,
+    # export_model's choice below protobuf's limit
+    r = patch_model(gemma3_q4_export["float"], ov, out, accuracy_level=0, external_data=False,
+                    target="webgpu", max_tensor_bytes="32MiB")
     V, H = 262144, 640
     emb, head = r.modules
     # --target webgpu alone: 80 MiB of packed rows fit WebGPU's 256 MiB, one part
