@@ -149,7 +149,8 @@ class LazyLibrary:
     call (``EMBEDQ_CPU_FEATURES`` may change between loads); ``machines``: the
     ``platform.machine()`` values it compiles for (empty: any); ``setup(lib)`` declares the
     ctypes signatures; ``openmp``: build with :data:`OPENMP` (the fan-out of
-    ``eq_parallel.h`` on torch's thread team), falling back to a build without it. :meth:`get` returns the library or None; :meth:`unavailable` why not.
+    ``eq_parallel.h`` on torch's thread team), falling back to a build without it.
+    :meth:`get` returns the library or None; :meth:`unavailable` why not.
     """
 
     def __init__(self, name: str, source, flags: list[str], libs: list[str] = (),
@@ -206,5 +207,5 @@ class LazyLibrary:
             self._lib, self._reason = None, None
 
 
-__all__ = ["LazyLibrary", "OPENMP", "SCALE_KIND", "c_source", "cache_path", "compiler", "cpu_ident", "cpu_flags", "kernel_cache_dir",
-           "library_path", "load_library", "publish"]
+__all__ = ["LazyLibrary", "OPENMP", "SCALE_KIND", "c_source", "cache_path", "compiler", "cpu_ident", "cpu_flags",
+           "kernel_cache_dir", "library_path", "load_library", "publish"]
