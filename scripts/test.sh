@@ -37,12 +37,16 @@ main_suite() {
     # installs from local disk.
     # (set -e does not apply inside a function run as `timed`: each step returns on failure.)
     "$VENV/bin/pip" install -q -c constraints/cpu.txt -e ".[test]" || return
-    # the WebGPU set-up checks its EP with the venv's onnxruntime: it starts once that exists
+    # these start once the venv exists: the WebGPU set-up checks its EP with the venv's
+    # onnxruntime, genai installs beside it; optimum's exporter venv (its own transformers)
+    # would otherwise be built inside the first exporter test (~1-2 min of pytest time)
     background_setup webgpu scripts/setup_webgpu.sh
+    background_setup genai scripts/setup_genai_onnx.sh
+    background_setup optimum scripts/setup_optimum_onnx_venv.sh
     "$VENV/bin/python" scripts/make_gemma3_fixture.py >/dev/null || return
     # the real clients the main suite drives (installed in the background, see below)
     local s
-    for s in aarch64 webgpu llamacpp transformersjs; do await_setup "$s"; done
+    for s in aarch64 webgpu genai optimum llamacpp transformersjs; do await_setup "$s"; done
     local rc=0
     "$VENV/bin/python" -m pytest tests --durations=10 "$@" || rc=$?
     if [ $rc -eq 5 ]; then
@@ -73,8 +77,8 @@ await_setup() {  # await_setup NAME: wait for its background build (its log on f
     wait "$pid" || { echo "test.sh: $1 setup failed; its log:" >&2; tail -n 20 "$CACHE/logs/$1.log" >&2; }
 }
 # Real clients of the main suite: qemu-user + an aarch64 gcc (portable kernel), node-llama-cpp,
-# transformers.js (and ORT's WebGPU EP on SwiftShader, started in main_suite once the venv
-# exists). Each is idempotent and cached; its log is $CACHE/logs/NAME.log.
+# transformers.js (and ORT's WebGPU EP on SwiftShader, onnxruntime-genai and optimum's
+# exporter, started in main_suite once the venv exists). Each is idempotent and cached; its log is $CACHE/logs/NAME.log.
 background_setup aarch64 scripts/setup_aarch64.sh
 background_setup llamacpp scripts/setup_llamacpp.sh
 background_setup transformersjs tests/js/setup.sh
