@@ -127,18 +127,27 @@ def token_stats(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch
 
     ``*_logits``: [n, vocab]; ``targets``: [n] next tokens.
     """
-    out = ([], [], [], [])
+    return token_stats_many(ref_logits, [q_logits], targets)[0]
+
+
+@torch.no_grad()
+def token_stats_many(ref_logits: torch.Tensor, q_logits: list[torch.Tensor], targets: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`token_stats` of several models against one reference: the reference's
+    float64 ``log_softmax`` over the 262k-token vocabulary is computed once per block."""
+    out = [([], [], [], []) for _ in q_logits]
     for a in range(0, ref_logits.shape[0], _POS_BLOCK):
         r = torch.log_softmax(ref_logits[a:a + _POS_BLOCK].double(), dim=-1)
-        q = torch.log_softmax(q_logits[a:a + _POS_BLOCK].double(), dim=-1)
+        pr, top_r = r.exp(), ref_logits[a:a + _POS_BLOCK].argmax(-1)
         t = targets[a:a + _POS_BLOCK].unsqueeze(-1)
-        kld = (r.exp() * (r - q)).sum(-1).clamp_min(0.0)
-        same = ref_logits[a:a + _POS_BLOCK].argmax(-1) == q_logits[a:a + _POS_BLOCK].argmax(-1)
-        out[0].append(kld)
-        out[1].append(same)
-        out[2].append(-r.gather(-1, t).squeeze(-1))
-        out[3].append(-q.gather(-1, t).squeeze(-1))
-    return tuple(torch.cat(x) for x in out)  # type: ignore[return-value]
+        nll_r = -r.gather(-1, t).squeeze(-1)
+        for lq, o in zip(q_logits, out):
+            q = torch.log_softmax(lq[a:a + _POS_BLOCK].double(), dim=-1)
+            o[0].append((pr * (r - q)).sum(-1).clamp_min(0.0))
+            o[1].append(top_r == lq[a:a + _POS_BLOCK].argmax(-1))
+            o[2].append(nll_r)
+            o[3].append(-q.gather(-1, t).squeeze(-1))
+    return [tuple(torch.cat(x) for x in o) for o in out]  # type: ignore[misc]
 
 
 def _bootstrap(per_ctx: dict[str, torch.Tensor], samples: int, seed: int) -> dict[str, tuple[float, float]]:
@@ -161,7 +170,8 @@ def compare_models(reference, quantized, contexts: torch.Tensor, *, bootstrap: i
                    seed: int = 0, progress: bool = False, floor=None) -> dict:
     """Run both models context by context; return the aggregated statistics.
 
-    ``contexts``: [n, length] token ids. Never holds more than one context's logits.
+    ``contexts``: [n, length] token ids. Never holds more than one context's logits (of
+    each model).
     ``floor``: a third model (the float one in bf16) measured against the reference the
     same way; its mean KLD, CI and same-top-1 come back as ``floor_*``.
     """
@@ -178,16 +188,17 @@ def compare_models(reference, quantized, contexts: torch.Tensor, *, bootstrap: i
         with torch.inference_mode():
             lr = reference(input_ids=ids.to(dev_r), use_cache=False).logits[0, :-1].float().cpu()
             lq = quantized(input_ids=ids.to(dev_q), use_cache=False).logits[0, :-1].float().cpu()
-        kld, same, nll_r, nll_q = token_stats(lr, lq, ids[0, 1:])
-        del lq
+        models = [lq]
         if floor is not None:
             with torch.inference_mode():
-                lf = floor(input_ids=ids.to(_device_of(floor)), use_cache=False).logits[0, :-1].float().cpu()
-            for k, v in zip(("kld", "same", "nll_r", "nll_q"), token_stats(lr, lf, ids[0, 1:])):
+                models.append(floor(input_ids=ids.to(_device_of(floor)), use_cache=False).logits[0, :-1].float().cpu())
+        stats = token_stats_many(lr, models, ids[0, 1:])
+        kld, same, nll_r, nll_q = stats[0]
+        if floor is not None:
+            for k, v in zip(("kld", "same", "nll_r", "nll_q"), stats[1]):
                 fl[k].append(float(v.sum()))
             fl["n"].append(kld.numel())
-            del lf
-        del lr
+        del lr, lq, models, stats
         all_kld.append(kld)
         per["kld"].append(float(kld.sum()))
         per["same"].append(float(same.sum()))
@@ -364,5 +375,5 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
                       seconds=time.perf_counter() - t0, bos=bos is not None, **stats)
 
 
-__all__ = ["evaluate", "EvalResult", "EvalError", "compare_models", "token_stats", "make_contexts",
-           "load_pair", "default_text", "scheme_advice"]
+__all__ = ["evaluate", "EvalResult", "EvalError", "compare_models", "token_stats", "token_stats_many",
+           "make_contexts", "load_pair", "default_text", "scheme_advice"]
