@@ -117,6 +117,10 @@ def library_path(name: str, source: str, flags: list[str], cc: str) -> Path:
                              cpu_ident(), sys.platform), ".so")
 
 
+class CompileError(RuntimeError):
+    """The compiler rejected the source with these flags (deterministic: same key, same error)."""
+
+
 def _build(cc: str, source: str, flags: list[str], libs: list[str], path: Path) -> None:
     def make(tmp: Path) -> None:
         src = tmp.with_suffix(".c")
@@ -125,20 +129,36 @@ def _build(cc: str, source: str, flags: list[str], libs: list[str], path: Path) 
             r = subprocess.run([cc, *flags, "-o", str(tmp), str(src), *libs],
                                capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
-                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or ["cc failed"])
+                raise CompileError(((r.stderr or r.stdout).strip().splitlines() or ["cc failed"])[-1])
         finally:
             src.unlink(missing_ok=True)
     publish(path, make)
 
 
-def load_library(name: str, source: str, flags: list[str], libs: list[str] = ()) -> ctypes.CDLL:
-    """Build (once per machine) and load; raises on any failure (the caller falls back)."""
+def load_library(name: str, source: str, flags: list[str], libs: list[str] = (),
+                 remember_failure: bool = False) -> ctypes.CDLL:
+    """Build (once per machine) and load; raises on any failure (the caller falls back).
+
+    ``remember_failure``: a compile error is kept beside the library's cache name (a
+    ``.failed`` file, same key) and raised again without compiling — for optional builds
+    (OpenMP) that would otherwise cost every new process a failed compile."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found")
     path = library_path(name, source, list(flags), cc)
+    failed = path.with_suffix(".failed")
+    if remember_failure and failed.is_file():
+        raise CompileError(failed.read_text(errors="replace").strip() or "cc failed (cached)")
     if not path.is_file():
-        _build(cc, source, list(flags), list(libs), path)
+        try:
+            _build(cc, source, list(flags), list(libs), path)
+        except CompileError as e:
+            if remember_failure:
+                try:
+                    publish(failed, lambda tmp: tmp.write_text(f"{e}\n"))
+                except OSError:
+                    pass  # a read-only cache: the next process compiles again
+            raise
     return ctypes.CDLL(str(path))
 
 
@@ -181,7 +201,8 @@ class LazyLibrary:
                     lib = None
                     if self.openmp:
                         try:
-                            lib = load_library(self.name, src, [*self.flags, *OPENMP], self.libs)
+                            lib = load_library(self.name, src, [*self.flags, *OPENMP], self.libs,
+                                               remember_failure=True)
                         except Exception:  # noqa: BLE001 - no OpenMP here: the pthread fan-out
                             pass
                     if lib is None:
@@ -207,5 +228,5 @@ class LazyLibrary:
             self._lib, self._reason = None, None
 
 
-__all__ = ["LazyLibrary", "OPENMP", "SCALE_KIND", "c_source", "cache_path", "compiler", "cpu_ident", "cpu_flags",
-           "kernel_cache_dir", "library_path", "load_library", "publish"]
+__all__ = ["CompileError", "LazyLibrary", "OPENMP", "SCALE_KIND", "c_source", "cache_path", "compiler",
+           "cpu_ident", "cpu_flags", "kernel_cache_dir", "library_path", "load_library", "publish"]

@@ -223,3 +223,70 @@ def test_fanout_runs_on_torchs_openmp_and_pthreads_agree(monkeypatch):
                 assert torch.equal(native_f32.head(omp, *args), native_f32.head(plain, *args)), (bits, m, dt)
             finally:
                 torch.set_num_threads(old)
+
+
+def test_failed_openmp_build_is_remembered(tmp_path, monkeypatch):
+    """A compiler without OpenMP: the library falls back to its pthread build, and the
+    failed -fopenmp compile is kept in the kernel cache, so the next process (a new
+    LazyLibrary) does not pay for it again."""
+    import subprocess
+    from embedq.kernels import build
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("EMBEDQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "OPENMP", ["-fembedq-no-such-openmp-flag"])  # any compile error
+    calls = []
+    real = subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))
+    src = "int eq_answer(void) { return 42; }\n"
+    for attempt in (1, 2):
+        lib = build.LazyLibrary("remember_test", src, ["-O2", "-shared", "-fPIC"], openmp=True)
+        assert lib.get() is not None and lib.get().eq_answer() == 42, lib.unavailable()
+        tried = [c for c in calls if "-fembedq-no-such-openmp-flag" in c]
+        assert len(tried) == 1, (attempt, calls)  # compiled once, then read from the cache
+    assert [p.suffix for p in tmp_path.iterdir()].count(".failed") == 1
+
+
+# --- 4-bit at M == 1: integer dot products over exact int16 activation planes -------------------
+def _wide(cols: int, seed: int) -> torch.Tensor:
+    """bf16 activations over a huge exponent range (2^-130 .. 2^30: bf16 subnormals
+    included), zeros and both signs: a group then needs several planes."""
+    gen = torch.Generator().manual_seed(seed)
+    e = torch.randint(-130, 31, (1, cols), generator=gen).float()  # norms stay finite
+    x = torch.randn(1, cols, generator=gen) * torch.exp2(e)
+    x[0, ::7] = 0
+    x[0, 3] = 2.0 ** -133  # the smallest bf16 subnormal
+    return x.to(BF)
+
+
+@pytest.mark.parametrize("variant", [v for v in sorted(SELECT) if v in ("avx2", "avx512f")])
+@pytest.mark.parametrize("group,sym", [(32, True), (32, False), (64, True), (64, False)])
+def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
+    """eq_q4planes.h: bf16 / f16 activations of one row are split into planes of exact
+    int16 values over one power of two per group; the kernel's integer sums equal the
+    reference at the derived bound, however many planes the exponent range needs. A
+    float32 row with more than 15 significant bits takes the float path (0 planes)."""
+    from embedq.kernels import native_f32
+    _select(variant, monkeypatch)
+    lib = native_f32.VARIANTS[variant].get()
+    qt = _table(4, group, sym, 777, 192, BF)
+    p = PreparedTable.from_table(qt)
+    wabs = _wabs(qt)
+    gen = torch.Generator().manual_seed(group)
+    rows = [("randn bf16", torch.randn(1, 192, generator=gen).to(BF)),
+            ("randn f16", torch.randn(1, 192, generator=gen).to(F16)),
+            ("wide bf16", _wide(192, 1)), ("wide bf16 2", _wide(192, 2)),
+            ("bf16 held as f32", torch.randn(1, 192, generator=gen).to(BF).to(F32))]
+    for name, x in rows:
+        xf = x.float().contiguous()
+        planes = lib.head_f32_q4_planes(xf.data_ptr(), 192, group)
+        assert planes >= 192 // group, (name, planes)
+        if name.startswith("wide"):
+            assert planes > 3 * 192 // group, (name, planes)  # many planes per group
+        _check_linear(p, qt, x, wabs)
+    xf = torch.randn(1, 192, generator=gen)
+    assert lib.head_f32_q4_planes(xf.data_ptr(), 192, group) == 0  # 24-bit values: float path
+    _check_linear(p, qt, xf, wabs)
+    inf = xf.to(BF).float().clone()
+    inf[0, 5] = float("inf")
+    assert lib.head_f32_q4_planes(inf.data_ptr(), 192, group) == 0
