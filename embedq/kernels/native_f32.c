@@ -23,17 +23,18 @@
    dot with float32 activations (converted by the caller, exactly, from bf16/f16) then
    differs from F.linear only in summation order.
 
-   M <= 2 (AVX2): decoded in registers, scale after each group's dot (see direct8/direct4).
-   Blocking (why, M > 2): a super-block of SB x 16 rows x KC columns is decoded once into a float32
-   scratch (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256)
-   and every activation row runs over it in tiles of MR = 6 rows x 16
-   table rows (12 accumulators + 2 weights + 1 broadcast = 15 of 16 ymm registers: the
-   classic sgemm microkernel). Each weight byte is read and decoded once per call at every
-   M; the activations are re-read once per super-block (1/64 of the FMA work). */
+   M <= 2 (AVX2): decoded in registers, scale after each group's dot (direct8/direct4);
+   4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
+   M > 2: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
+   (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
+   activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
+   2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel). Each weight byte
+   is read and decoded once per call at every M. */
 
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include "eq_convert.h"
 #include "eq_parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -57,37 +58,8 @@ enum { RB = 16, SB = 4, KC = 256, MR = 6 };
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
     void* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind, okind;
+    const struct q4planes* planes; /* M == 1, 4-bit: integer planes (eq_q4planes.h) or NULL */
 } job_t;
-
-/* ---- scalar conversions (exact, round-to-nearest-even: the same results as torch) ---- */
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff, u;
-    if (e == 0) { float f = (float)m * (1.0f / 16777216.0f); memcpy(&u, &f, 4); u |= s; } /* m * 2^-24 */
-    else if (e == 31) u = s | 0x7f800000u | (m << 13);
-    else u = s | ((e + 112) << 23) | (m << 13);
-    float f; memcpy(&f, &u, 4); return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t x; memcpy(&x, &f, 4);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000); x &= 0x7fffffffu;
-    if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);
-    if (x >= 0x477ff000u) return sign | 0x7c00;          /* rounds to >= 65536: inf */
-    if (x < 0x38800000u) {                                /* |f| < 2^-14: subnormal half */
-        float a; memcpy(&a, &x, 4);
-        volatile float t = a * 16777216.0f + 12582912.0f; /* RNE to an integer (< 2^10) */
-        return sign | (uint16_t)(int)(t - 12582912.0f);
-    }
-    return sign | (uint16_t)((x - 0x38000000u + 0xfffu + ((x >> 13) & 1)) >> 13);
-}
 
 static inline float scale_at(const void* s, int kind, int64_t i) {
     if (kind == 0) return ((const float*)s)[i];
@@ -419,10 +391,13 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
     }
 }
 
+#include "eq_q4planes.h"
+
 static void run_direct(const job_t* j, const float* xs) {
     float o[DIRECT_M * RB];
     for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
-        if (j->bits == 8) { if (j->M == 1) direct8(1, j, nb, xs, o); else direct8(2, j, nb, xs, o); }
+        if (j->planes) direct4i(j, j->planes, nb, xs, o);
+        else if (j->bits == 8) { if (j->M == 1) direct8(1, j, nb, xs, o); else direct8(2, j, nb, xs, o); }
         else { if (j->M == 1) direct4(1, j, nb, xs, o); else direct4(2, j, nb, xs, o); }
         const int64_t r0 = nb * RB;
         const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
@@ -482,14 +457,38 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
                 xs[m * (K / g) + gi] = a;
             }
     }
+#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)  /* -DEQ_NO_Q4PLANES: the float path, for A/B runs */
+    q4planes_t P;
+    const q4planes_t* planes = M == 1 && bits == 4 && q4planes_build(x, K, g, &P) ? &P : NULL;
+#else
+    const struct q4planes* planes = NULL;
+#endif
     job_t jobs[EQ_MAX_THREADS];
     for (int t = 0; t < nthreads; t++) {
         /* whole super-blocks per thread */
         int64_t nsb = (NB + SB - 1) / SB, a = nsb * t / nthreads * SB, b = nsb * (t + 1) / nthreads * SB;
-        job_t jj = {w, s, z, x, xs, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind};
+        job_t jj = {w, s, z, x, xs, out, ldo, M, K, K / g, g, V, a, b < NB ? b : NB, bits, skind, okind, planes};
         jobs[t] = jj;
     }
     int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
+#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)
+    if (planes) q4planes_free(&P);
+#endif
     free(xs);
     return rc;
+}
+
+/* Activation planes of a 4-bit M == 1 call (tests, benchmarks): their number, or 0 when the
+   call takes the float path (eq_q4planes.h). */
+int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
+#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)
+    q4planes_t P;
+    if (!q4planes_build(x, K, g, &P)) return 0;
+    const int n = P.off[K / g];
+    q4planes_free(&P);
+    return n;
+#else
+    (void)x; (void)K; (void)g;
+    return 0;
+#endif
 }

@@ -1,0 +1,37 @@
+/* Scalar float conversions of embedq's C kernels: exact, round-to-nearest-even, NaN kept
+   quiet - the same results as torch's casts. */
+#ifndef EQ_CONVERT_H
+#define EQ_CONVERT_H
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff, u;
+    if (e == 0) { float f = (float)m * (1.0f / 16777216.0f); memcpy(&u, &f, 4); u |= s; } /* m * 2^-24 */
+    else if (e == 31) u = s | 0x7f800000u | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x; memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000); x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 : 0);
+    if (x >= 0x477ff000u) return sign | 0x7c00;          /* rounds to >= 65536: inf */
+    if (x < 0x38800000u) {                                /* |f| < 2^-14: subnormal half */
+        float a; memcpy(&a, &x, 4);
+        volatile float t = a * 16777216.0f + 12582912.0f; /* RNE to an integer (< 2^10) */
+        return sign | (uint16_t)(int)(t - 12582912.0f);
+    }
+    return sign | (uint16_t)((x - 0x38000000u + 0xfffu + ((x >> 13) & 1)) >> 13);
+}
+
+#endif

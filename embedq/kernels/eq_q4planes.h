@@ -1,0 +1,147 @@
+/* 4-bit codes, one activation row (M == 1, the decode step): integer dot products.
+
+   Part of native_f32.c (included in its AVX2 section: uses job_t, RB and scales16).
+
+   Why: the float path spends ~19 vector instructions on 32 codes (widen, convert, FMA per
+   column); the 4-bit head at M == 1 was bound by that, not by memory. Here a column pair's
+   codes stay 16-bit integers and meet the activations in vpmaddwd (two products and their
+   sum per instruction): ~15 instructions per 64 codes.
+
+   Exact: an activation x_k = M_k 2^f_k (M_k odd). Within a group, columns whose values fit
+   a 15-bit integer over one base exponent B share a "plane": m'_k = M_k 2^(f_k - B), an
+   exact int16. Every column of the group lies in exactly one plane (greedy, from the
+   largest value down; a bf16 or f16 activation always fits: 8 / 11 significant bits).
+   Per plane and row the dot  sum_k m'_k (u_k - 8)  is an exact int32 (|.| < 2^24), so it
+   converts to float exactly, and times 2^B it is the exact sum of that plane's products.
+   The only roundings: one per plane added, then the scale, as in direct4 - fewer than the
+   reference's float32 sum, so within the same summation-order bound. An activation row
+   with a value that fits no int16 plane (a float32 with more than 15 significant bits,
+   inf, NaN) makes build_planes return 0 and the call takes direct4. */
+
+#define Q4P_BITS 15 /* |m'| < 2^15: an int16 */
+
+typedef struct q4planes {
+    int16_t* x;    /* [plane][PG / 2][16]: per two column pairs, (m'_2p, m'_2p+1) x 4 | (m'_2p+2, m'_2p+3) x 4 */
+    int32_t* corr; /* [plane] 8 * sum m' (the offset-binary 8 of u - 8, folded in exactly) */
+    float* mul;    /* [plane] 2^B */
+    int* off;      /* [G + 1]: group gi's planes are off[gi] .. off[gi + 1] - 1 */
+} q4planes_t;
+
+static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mul); free(P->off); }
+
+/* 1 when every activation fits a plane (then P is filled), 0 otherwise (P freed). */
+static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
+    const int64_t G = K / g, PG = g / 2, nmax = G * g; /* at most one plane per column */
+    memset(P, 0, sizeof *P);
+    if (g % 4 || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
+    P->x = calloc((size_t)nmax * (PG / 2) * 16, sizeof(int16_t));
+    P->corr = malloc(sizeof(int32_t) * nmax);
+    P->mul = malloc(sizeof(float) * nmax);
+    P->off = malloc(sizeof(int) * (G + 1));
+    int32_t mk[64], fk[64], top[64];
+    unsigned char left[64];
+    if (!P->x || !P->corr || !P->mul || !P->off) goto fail;
+    int np = 0;
+    for (int64_t gi = 0; gi < G; gi++) {
+        P->off[gi] = np;
+        for (int64_t k = 0; k < g; k++) {
+            uint32_t u;
+            memcpy(&u, x + gi * g + k, 4);
+            const uint32_t e = (u >> 23) & 255, frac = u & 0x7fffff;
+            left[k] = 0;
+            if (e == 255) goto fail;                      /* inf, NaN */
+            if (e == 0 && frac == 0) continue;            /* a zero adds nothing */
+            uint32_t m = e ? frac | 0x800000u : frac;     /* |x| = m 2^(max(e, 1) - 150) */
+            const int tz = __builtin_ctz(m);
+            m >>= tz;
+            const int bl = 32 - __builtin_clz(m);
+            if (bl > Q4P_BITS) goto fail;                 /* too many significant bits */
+            mk[k] = (u >> 31) ? -(int32_t)m : (int32_t)m;
+            fk[k] = (int)(e ? e : 1) - 150 + tz;
+            top[k] = fk[k] + bl;
+            left[k] = 1;
+        }
+        for (;;) {
+            int T = INT32_MIN;
+            for (int64_t k = 0; k < g; k++) if (left[k] && top[k] > T) T = top[k];
+            if (T == INT32_MIN) break;
+            const int B = T - Q4P_BITS < -149 ? -149 : T - Q4P_BITS; /* 2^B stays a float */
+            int16_t* xp = P->x + (int64_t)np * (PG / 2) * 16;
+            int32_t sum = 0;
+            for (int64_t k = 0; k < g; k++) {
+                if (!left[k] || fk[k] < B) continue;
+                const int32_t v = mk[k] * (1 << (fk[k] - B));  /* |v| < 2^(T - B) <= 2^15 */
+                const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
+                for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v;
+                sum += v;
+                left[k] = 0;
+            }
+            P->corr[np] = 8 * sum;
+            uint32_t mb = B >= -126 ? (uint32_t)(B + 127) << 23 : 1u << (B + 149);
+            memcpy(&P->mul[np], &mb, 4);
+            np++;
+        }
+    }
+    P->off[G] = np;
+    return 1;
+fail:
+    q4planes_free(P);
+    memset(P, 0, sizeof *P);
+    return 0;
+}
+
+/* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes (see above). */
+static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
+    const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, IT = PG / 2;
+    const uint8_t* wb = j->w + nb * KP * 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+        for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
+            const int two = q0 + 1 < P->off[gi + 1];
+            const int16_t* X0 = P->x + (int64_t)q0 * IT * 16;
+            const int16_t* X1 = X0 + IT * 16;
+            __m256i a[2][4];
+            for (int q = 0; q < 2; q++) for (int r = 0; r < 4; r++) a[q][r] = zero;
+            const uint8_t* b0 = wb + gi * PG * 16;
+            for (int64_t it = 0; it < IT; it++) {
+                /* pairs 2it (128-bit lane 0) and 2it+1 (lane 1), 16 rows each */
+                const __m256i b = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
+                const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+                const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+                /* int16 (c0, c1) per row: rows 0-3, 4-7, 8-11, 12-15 of both pairs */
+                const __m256i c[4] = {_mm256_unpacklo_epi8(u0, zero), _mm256_unpackhi_epi8(u0, zero),
+                                      _mm256_unpacklo_epi8(u1, zero), _mm256_unpackhi_epi8(u1, zero)};
+                const __m256i x0 = _mm256_loadu_si256((const __m256i*)(X0 + it * 16));
+                for (int r = 0; r < 4; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(c[r], x0));
+                if (two) {
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(X1 + it * 16));
+                    for (int r = 0; r < 4; r++) a[1][r] = _mm256_add_epi32(a[1][r], _mm256_madd_epi16(c[r], x1));
+                }
+            }
+            for (int q = 0; q <= two; q++) {
+                const __m256i corr = _mm256_set1_epi32(P->corr[q0 + q]);
+                const __m256 mul = _mm256_set1_ps(P->mul[q0 + q]);
+                __m256i r0 = _mm256_add_epi32(_mm256_permute2x128_si256(a[q][0], a[q][1], 0x20),
+                                              _mm256_permute2x128_si256(a[q][0], a[q][1], 0x31));
+                __m256i r1 = _mm256_add_epi32(_mm256_permute2x128_si256(a[q][2], a[q][3], 0x20),
+                                              _mm256_permute2x128_si256(a[q][2], a[q][3], 0x31));
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r0, corr)), mul, t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r1, corr)), mul, t1);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        if (j->z) {
+            const __m256 xv = _mm256_set1_ps(xs[gi]);
+            const int8_t* zz = j->z + (nb * G + gi) * RB;
+            t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+            t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+        }
+        if (gi == 0) { _mm256_storeu_ps(o, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(o + 8, _mm256_mul_ps(t1, s1)); }
+        else {
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(o)));
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(o + 8)));
+        }
+    }
+}
