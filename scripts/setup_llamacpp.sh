@@ -18,9 +18,11 @@ DIR="$CACHE/llamacpp-node/$HASH"
 MARKER="$DIR/.embedq-ok"
 ENTRY="$DIR/node_modules/node-llama-cpp/dist/index.js"
 export npm_config_update_notifier=false npm_config_fund=false npm_config_audit=false
+# node runs the client on every call, so it is checked even when the install is cached (a
+# warm cache on a machine without node fails here, in the set-up, not later in a test)
+command -v node >/dev/null || { echo "[setup_llamacpp] error: node is needed (node >= 20)" >&2; exit 1; }
 if [[ ! -f "$MARKER" ]]; then
-    command -v node >/dev/null && command -v npm >/dev/null || {
-        echo "[setup_llamacpp] error: node and npm are needed (node >= 20)" >&2; exit 1; }
+    command -v npm >/dev/null || { echo "[setup_llamacpp] error: npm is needed to install" >&2; exit 1; }
     rm -rf "$DIR"  # a half-done install (no marker) is redone from scratch
     mkdir -p "$DIR"
     cp "$SRC/package.json" "$SRC/package-lock.json" "$DIR/"

@@ -8,8 +8,9 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE="${EMBEDQ_CACHE:-$HOME/.cache/embedq}"
 KEY=$( (cat "$HERE/package.json"; [[ ! -f "$HERE/package-lock.json" ]] || cat "$HERE/package-lock.json") | sha256sum | cut -c1-12)
 DIR="$CACHE/transformersjs/$KEY"
+# checked even when node_modules is cached: the test runs node on every call
+command -v node >/dev/null || { echo "node not found (Debian: apt-get install nodejs npm)" >&2; exit 1; }
 if [[ ! -f "$DIR/.embedq-ok" ]]; then
-    command -v node >/dev/null || { echo "node not found (Debian: apt-get install nodejs npm)" >&2; exit 1; }
     rm -rf "$DIR"
     mkdir -p "$DIR"
     # onnxruntime-node's install script fetches its CUDA EP from nuget.org; the CPU binaries
