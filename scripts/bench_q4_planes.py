@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,15 +27,11 @@ from embedq.kernels import PreparedTable, native_f32
 from embedq.kernels.build import LazyLibrary
 from embedq.quant.rtn import quantize_rtn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import cpu_model  # noqa: E402
+
 COLS, GROUP = 640, 32
 PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 2268, 5053, 529, 506, 1902, 1304, 236764, 1144, 21869]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "?"
 
 
 def activations() -> tuple[torch.Tensor, str]:
@@ -69,7 +65,7 @@ def main() -> None:
     x, src = activations()
     xf = x.float().contiguous()
     planes = [new.get().head_f32_q4_planes(xf[i].data_ptr(), COLS, GROUP) for i in range(x.shape[0])]
-    print(f"CPU {cpu_model()}; route native_avx2; table {a.rows} x {COLS} Q4 g{GROUP}; activations: {src}")
+    print(f"{cpu_model()}; route native_avx2; table {a.rows} x {COLS} Q4 g{GROUP}; activations: {src}")
     print(f"planes per token ({COLS // GROUP} groups): {planes}")
 
     def run(lib, xi):

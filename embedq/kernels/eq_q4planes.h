@@ -1,6 +1,6 @@
 /* 4-bit codes, one activation row (M == 1, the decode step): integer dot products.
 
-   Part of native_f32.c (included in its AVX2 section: uses job_t, RB and scales16).
+   Part of native_f32.c (included in its AVX2 section: uses job_t, RB, scales16, group_out).
 
    Why: the float path spends ~19 vector instructions on 32 codes (widen, convert, FMA per
    column); the 4-bit head at M == 1 was bound by that, not by memory. Here a column pair's
@@ -16,7 +16,7 @@
    The only roundings: one per plane added, then the scale, as in direct4 - fewer than the
    reference's float32 sum, so within the same summation-order bound. An activation row
    with a value that fits no int16 plane (a float32 with more than 15 significant bits,
-   inf, NaN) makes build_planes return 0 and the call takes direct4. */
+   inf, NaN) makes q4planes_build return 0 and the call takes direct4. */
 
 #define Q4P_BITS 15 /* |m'| < 2^15: an int16 */
 
@@ -132,16 +132,6 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         }
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
-        if (j->z) {
-            const __m256 xv = _mm256_set1_ps(xs[gi]);
-            const int8_t* zz = j->z + (nb * G + gi) * RB;
-            t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
-            t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
-        }
-        if (gi == 0) { _mm256_storeu_ps(o, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(o + 8, _mm256_mul_ps(t1, s1)); }
-        else {
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(o)));
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(o + 8)));
-        }
+        group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, o);
     }
 }

@@ -43,6 +43,11 @@
 #else
 #define EQ_AVX2 0
 #endif
+#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)  /* -DEQ_NO_Q4PLANES: 4-bit M == 1 on the float path (A/B) */
+#define EQ_Q4PLANES 1
+#else
+#define EQ_Q4PLANES 0
+#endif
 #if EQ_AVX2 && defined(EQ_SIMDE)  /* tests only: AVX-512 intrinsics emulated on AVX2 */
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -274,6 +279,23 @@ static inline void scales16(const job_t* j, int64_t i0, __m256* s0, __m256* s1) 
     *s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
+/* Group gi's dot for the 16 rows (t0: rows 0-7, t1: 8-15) into o: minus z * sum(x_group)
+   for asymmetric rows, times the scales, added to the earlier groups' (gi == 0: stored). */
+static inline void group_out(const job_t* j, int64_t nb, int64_t gi, float xsum, __m256 s0, __m256 s1,
+                             __m256 t0, __m256 t1, float* o) {
+    if (j->z) {
+        const __m256 xv = _mm256_set1_ps(xsum);
+        const int8_t* zz = j->z + (nb * j->G + gi) * RB;
+        t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
+        t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
+    }
+    if (gi == 0) { _mm256_storeu_ps(o, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(o + 8, _mm256_mul_ps(t1, s1)); }
+    else {
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(o)));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(o + 8)));
+    }
+}
+
 /* int8: the stored pairs [r c0, r c1] stay interleaved in the lanes (vpmovsxbd straight
    from memory, no shuffle) and meet a broadcast (x[2p], x[2p+1]); a horizontal add per
    group folds the column parity. acc[i][q]: rows 4q..4q+3, both parities. */
@@ -318,18 +340,7 @@ static inline __attribute__((always_inline)) void direct8(const int nm, const jo
             /* hadd: rows [0 1 4 5 | 2 3 6 7] -> permute to 0..7 */
             __m256 t0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][0], acc[i][1])), 0xD8));
             __m256 t1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i][2], acc[i][3])), 0xD8));
-            if (j->z) {
-                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
-                const int8_t* zz = j->z + (nb * G + gi) * RB;
-                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
-                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
-            }
-            float* oi = o + i * RB;
-            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
-            else {
-                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
-                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
-            }
+            group_out(j, nb, gi, j->z ? xs[i * G + gi] : 0.0f, s0, s1, t0, t1, o + i * RB);
         }
     }
 }
@@ -375,18 +386,7 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
         for (int i = 0; i < nm; i++) {
             __m256 t0 = _mm256_add_ps(acc[i][0][0], acc[i][1][0]), t1 = _mm256_add_ps(acc[i][0][1], acc[i][1][1]);
-            if (j->z) {
-                const __m256 xv = _mm256_set1_ps(xs[i * G + gi]);
-                const int8_t* zz = j->z + (nb * G + gi) * RB;
-                t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
-                t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
-            }
-            float* oi = o + i * RB;
-            if (gi == 0) { _mm256_storeu_ps(oi, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(oi + 8, _mm256_mul_ps(t1, s1)); }
-            else {
-                _mm256_storeu_ps(oi, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(oi)));
-                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(oi + 8)));
-            }
+            group_out(j, nb, gi, j->z ? xs[i * G + gi] : 0.0f, s0, s1, t0, t1, o + i * RB);
         }
     }
 }
@@ -457,7 +457,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
                 xs[m * (K / g) + gi] = a;
             }
     }
-#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)  /* -DEQ_NO_Q4PLANES: the float path, for A/B runs */
+#if EQ_Q4PLANES
     q4planes_t P;
     const q4planes_t* planes = M == 1 && bits == 4 && q4planes_build(x, K, g, &P) ? &P : NULL;
 #else
@@ -471,7 +471,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
         jobs[t] = jj;
     }
     int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
-#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)
+#if EQ_Q4PLANES
     if (planes) q4planes_free(&P);
 #endif
     free(xs);
@@ -481,7 +481,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
 /* Activation planes of a 4-bit M == 1 call (tests, benchmarks): their number, or 0 when the
    call takes the float path (eq_q4planes.h). */
 int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
-#if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)
+#if EQ_Q4PLANES
     q4planes_t P;
     if (!q4planes_build(x, K, g, &P)) return 0;
     const int n = P.off[K / g];
