@@ -1,13 +1,13 @@
-"""A/B of the 4-bit head at M = 1 and 2 on the AVX2 build: integer planes (eq_q4planes.h)
-against the float path of the same source (built with -DEQ_NO_Q4PLANES), interleaved.
+"""A/B of the 4-bit head at M = 1 on the AVX2 build: integer planes (eq_q4planes.h) against
+the float path of the same source (built with -DEQ_NO_Q4PLANES), interleaved.
 
-    PYTHONPATH=. python scripts/bench_q4_planes.py [--rows 262144] [--reps 40] [--batch 1 2]
+    PYTHONPATH=. python scripts/bench_q4_planes.py [--rows 262144] [--reps 40]
 
 Table: Gemma 3 270M's head shape (rows x 640), random weights quantized Q4 g32 sym with
 bf16 scales. Activations: Gemma 3 270M's final hidden states (bf16) when the test fixture is
 built (~/.cache/embedq/gemma3-270m or $EMBEDQ_CACHE), else randn. Prints the planes each
 token needs, both paths' error against the reference, and median ms at 1 and 2 threads
-with the ratio per M, the CPU model and the load average.
+with the ratio, the CPU model and the load average.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="activation rows M (1, 2)")
     a = ap.parse_args()
     os.environ["EMBEDQ_CPU_FEATURES"] = "avx2,fma,f16c"
     w = torch.randn(a.rows, COLS, generator=torch.Generator().manual_seed(0)) * 0.05
@@ -65,7 +64,7 @@ def main() -> None:
         raise SystemExit(new.unavailable() or old.unavailable())
     x, src = activations()
     xf = x.float().contiguous()
-    planes = [new.get().head_f32_q4_planes(xf[i].data_ptr(), 1, COLS, GROUP) for i in range(x.shape[0])]
+    planes = [new.get().head_f32_q4_planes(xf[i].data_ptr(), COLS, GROUP) for i in range(x.shape[0])]
     print(f"{cpu_model()}; route native_avx2; table {a.rows} x {COLS} Q4 g{GROUP}; activations: {src}")
     print(f"planes per token ({COLS // GROUP} groups): {planes}")
 
@@ -76,20 +75,18 @@ def main() -> None:
         e_new = (run(new, x[:1].to(dt)).float() - ref).abs().max().item()
         e_old = (run(old, x[:1].to(dt)).float() - ref).abs().max().item()
         print(f"{str(dt)[6:]} activations: max |planes - ref| {e_new:.3g}, max |float - ref| {e_old:.3g}")
-    for m in a.batch:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            tn, to = [], []
-            for r in range(a.reps):
-                i = r % (x.shape[0] - m + 1)
-                xi = x[i:i + m]
-                for lib, acc in ((new, tn), (old, to)) if r % 2 else ((old, to), (new, tn)):
-                    t = time.perf_counter()
-                    run(lib, xi)
-                    acc.append(time.perf_counter() - t)
-            mn, mo = statistics.median(tn) * 1e3, statistics.median(to) * 1e3
-            print(f"M = {m}, threads {threads}: planes {mn:.2f} ms, float path {mo:.2f} ms, ratio {mn / mo:.2f} "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        tn, to = [], []
+        for r in range(a.reps):
+            xi = x[r % x.shape[0]:r % x.shape[0] + 1]
+            for lib, acc in ((new, tn), (old, to)) if r % 2 else ((old, to), (new, tn)):
+                t = time.perf_counter()
+                run(lib, xi)
+                acc.append(time.perf_counter() - t)
+        mn, mo = statistics.median(tn) * 1e3, statistics.median(to) * 1e3
+        print(f"threads {threads}: planes {mn:.2f} ms, float path {mo:.2f} ms, ratio {mn / mo:.2f} "
+              f"(load {os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@
    differs from F.linear only in summation order.
 
    M <= 2 (AVX2): decoded in registers, scale after each group's dot (direct8/direct4);
-   4-bit at M <= 2: integer dot products (vpmaddubsw) over exact 15-bit activation planes (eq_q4planes.h).
+   4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
    M > 2: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
    (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
    activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
@@ -63,7 +63,7 @@ enum { RB = 16, SB = 4, KC = 256, MR = 6 };
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
     void* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind, okind;
-    const struct q4planes* planes; /* M <= 2, 4-bit: integer planes (eq_q4planes.h) or NULL */
+    const struct q4planes* planes; /* M == 1, 4-bit: integer planes (eq_q4planes.h) or NULL */
 } job_t;
 
 static inline float scale_at(const void* s, int kind, int64_t i) {
@@ -459,7 +459,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     }
 #if EQ_Q4PLANES
     q4planes_t P;
-    const q4planes_t* planes = M <= DIRECT_M && bits == 4 && q4planes_build(x, M, K, g, &P) ? &P : NULL;
+    const q4planes_t* planes = M == 1 && bits == 4 && q4planes_build(x, K, g, &P) ? &P : NULL;
 #else
     const struct q4planes* planes = NULL;
 #endif
@@ -478,17 +478,17 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     return rc;
 }
 
-/* Activation planes of a 4-bit call with x [M, K], M <= 2 (tests, benchmarks): their
-   number, or 0 when the call takes the float path (eq_q4planes.h). */
-int head_f32_q4_planes(const float* x, int64_t M, int64_t K, int64_t g) {
+/* Activation planes of a 4-bit M == 1 call (tests, benchmarks): their number, or 0 when the
+   call takes the float path (eq_q4planes.h). */
+int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
 #if EQ_Q4PLANES
     q4planes_t P;
-    if (M < 1 || M > DIRECT_M || !q4planes_build(x, M, K, g, &P)) return 0;
+    if (!q4planes_build(x, K, g, &P)) return 0;
     const int n = P.off[K / g];
     q4planes_free(&P);
     return n;
 #else
-    (void)x; (void)M; (void)K; (void)g;
+    (void)x; (void)K; (void)g;
     return 0;
 #endif
 }

@@ -36,7 +36,7 @@ def _setup(lib) -> None:
     P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.head_f32.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, Fi, I, Fi]
     lib.head_f32.restype = Fi
-    lib.head_f32_q4_planes.argtypes = [P, I, I, I]
+    lib.head_f32_q4_planes.argtypes = [P, I, I]
     lib.head_f32_q4_planes.restype = Fi
 
 
