@@ -90,45 +90,58 @@ fail:
     return 0;
 }
 
+/* The dots of one group with one or two planes (X1 NULL: one): a / b [4] = int32 sums for
+   rows 0-3, 4-7, 8-11, 12-15, each [pair A | pair B] by 128-bit lane. Inlined with IT a
+   constant (g32: 8, g64: 16) the loop unrolls and the sums stay in registers: at M == 1 the
+   per-group work (loop set-up, spilled sums) had cost as much as the dots themselves. */
+static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, const int16_t* X0, const int16_t* X1,
+                                                           const int64_t IT, __m256i a[4], __m256i b[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+    for (int r = 0; r < 4; r++) a[r] = b[r] = zero;
+    for (int64_t it = 0; it < IT; it++) {
+        /* pairs 2it (128-bit lane 0) and 2it+1 (lane 1), 16 rows each */
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
+        const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+        /* int16 (c0, c1) per row: rows 0-3, 4-7, 8-11, 12-15 of both pairs */
+        const __m256i c[4] = {_mm256_unpacklo_epi8(u0, zero), _mm256_unpackhi_epi8(u0, zero),
+                              _mm256_unpacklo_epi8(u1, zero), _mm256_unpackhi_epi8(u1, zero)};
+        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(X0 + it * 16));
+        for (int r = 0; r < 4; r++) a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(c[r], x0));
+        if (X1) {
+            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(X1 + it * 16));
+            for (int r = 0; r < 4; r++) b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(c[r], x1));
+        }
+    }
+}
+
+/* One plane's exact dot (minus corr) times 2^B added to the group's float sums t0, t1. */
+static inline void q4i_out(const __m256i a[4], int32_t corr, float mul, __m256* t0, __m256* t1) {
+    const __m256i c = _mm256_set1_epi32(corr);
+    const __m256 m = _mm256_set1_ps(mul);
+    const __m256i r0 = _mm256_add_epi32(_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[0], a[1], 0x31));
+    const __m256i r1 = _mm256_add_epi32(_mm256_permute2x128_si256(a[2], a[3], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x31));
+    *t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r0, c)), m, *t0);
+    *t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r1, c)), m, *t1);
+}
+
 /* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes (see above). */
 static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
     const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, IT = PG / 2;
     const uint8_t* wb = j->w + nb * KP * 16;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+        const uint8_t* b0 = wb + gi * PG * 16;
         for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
             const int two = q0 + 1 < P->off[gi + 1];
             const int16_t* X0 = P->x + (int64_t)q0 * IT * 16;
             const int16_t* X1 = X0 + IT * 16;
-            __m256i a[2][4];
-            for (int q = 0; q < 2; q++) for (int r = 0; r < 4; r++) a[q][r] = zero;
-            const uint8_t* b0 = wb + gi * PG * 16;
-            for (int64_t it = 0; it < IT; it++) {
-                /* pairs 2it (128-bit lane 0) and 2it+1 (lane 1), 16 rows each */
-                const __m256i b = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
-                const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-                const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
-                /* int16 (c0, c1) per row: rows 0-3, 4-7, 8-11, 12-15 of both pairs */
-                const __m256i c[4] = {_mm256_unpacklo_epi8(u0, zero), _mm256_unpackhi_epi8(u0, zero),
-                                      _mm256_unpacklo_epi8(u1, zero), _mm256_unpackhi_epi8(u1, zero)};
-                const __m256i x0 = _mm256_loadu_si256((const __m256i*)(X0 + it * 16));
-                for (int r = 0; r < 4; r++) a[0][r] = _mm256_add_epi32(a[0][r], _mm256_madd_epi16(c[r], x0));
-                if (two) {
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(X1 + it * 16));
-                    for (int r = 0; r < 4; r++) a[1][r] = _mm256_add_epi32(a[1][r], _mm256_madd_epi16(c[r], x1));
-                }
-            }
-            for (int q = 0; q <= two; q++) {
-                const __m256i corr = _mm256_set1_epi32(P->corr[q0 + q]);
-                const __m256 mul = _mm256_set1_ps(P->mul[q0 + q]);
-                __m256i r0 = _mm256_add_epi32(_mm256_permute2x128_si256(a[q][0], a[q][1], 0x20),
-                                              _mm256_permute2x128_si256(a[q][0], a[q][1], 0x31));
-                __m256i r1 = _mm256_add_epi32(_mm256_permute2x128_si256(a[q][2], a[q][3], 0x20),
-                                              _mm256_permute2x128_si256(a[q][2], a[q][3], 0x31));
-                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r0, corr)), mul, t0);
-                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r1, corr)), mul, t1);
-            }
+            __m256i a[4], b[4];
+            if (IT == 8) { if (two) q4i_dots(b0, X0, X1, 8, a, b); else q4i_dots(b0, X0, NULL, 8, a, b); }
+            else if (IT == 16) { if (two) q4i_dots(b0, X0, X1, 16, a, b); else q4i_dots(b0, X0, NULL, 16, a, b); }
+            else q4i_dots(b0, X0, two ? X1 : NULL, IT, a, b);
+            q4i_out(a, P->corr[q0], P->mul[q0], &t0, &t1);
+            if (two) q4i_out(b, P->corr[q0 + 1], P->mul[q0 + 1], &t0, &t1);
         }
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
