@@ -13,7 +13,8 @@ Paths:
   bf16, f32   F.linear with a bf16 / a float32 table (baselines: bf16 is emulated, hence
               slow, on CPUs without AVX512-BF16)
   S@A         embedq.kernels.PreparedTable.linear for scheme S (``--schemes``: int8 = per
-              row, int8g64, q4g32, ...; suffix a = asymmetric) with activations A (``--acts``)
+              row, int8g64, q4g32, ...; suffix a = asymmetric; +a8 = prepared under
+              EMBEDQ_ACTIVATIONS=int8, e.g. q4g32+a8) with activations A (``--acts``)
   S-ref       with --ref: the chunked reference (backends.transformers.QuantizedLMHead)
   S-ort0/4    the peers (unless --no-peers): ONNX Runtime's MatMulNBits over the same table
               values, accuracy 0 (exact) and 4 (int8 activations), float32 activations
@@ -29,7 +30,8 @@ and memory (an emulation; the output says so).
     EMBEDQ_CPU_FEATURES=none PYTHONPATH=. python scripts/bench_serve.py   # the portable C kernel
 
 Whole-model sections, Gemma 3 270M (the fixture of scripts/make_gemma3_fixture.py, copied
-and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row), ``int8g64`` and ``q4g32``,
+and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row), ``int8g64``, ``q4g32``
+and ``q4g32+a8`` (the q4g32 copy loaded under EMBEDQ_ACTIVATIONS=int8: int8 activations),
 timed interleaved (round-robin, starting model rotated each round), medians, ratios to
 ``float``, load average per round:
 
@@ -93,8 +95,23 @@ SHAPES = {
 }
 
 
+def activations(name: str):
+    """``EMBEDQ_ACTIVATIONS`` for a scheme or model name (``+a8``: int8), set while it is prepared."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def env():
+        old = os.environ.get("EMBEDQ_ACTIVATIONS")
+        os.environ["EMBEDQ_ACTIVATIONS"] = "int8" if name.endswith("+a8") else "exact"
+        try:
+            yield
+        finally:
+            os.environ.pop("EMBEDQ_ACTIVATIONS") if old is None else os.environ.__setitem__("EMBEDQ_ACTIVATIONS", old)
+    return env()
+
+
 def parse_scheme(name: str) -> Scheme:
-    m = re.fullmatch(r"(int8|q4)(?:g(\d+))?(a)?", name)
+    m = re.fullmatch(r"(int8|q4)(?:g(\d+))?(a)?(?:\+a8)?", name)
     if not m:
         raise SystemExit(f"bad scheme {name!r} (int8, int8a, int8g32, q4g32, q4g32a, q4 ...)")
     bits = 8 if m.group(1) == "int8" else 4
@@ -254,19 +271,20 @@ def bench_head(args) -> list[dict]:
                "f32": ("f32", lambda x, w=w32: F.linear(x, w))}
         for sname in args.schemes:
             qt = quantize_table(w, parse_scheme(sname))
-            p = PreparedTable.from_table(qt, dtype=torch.bfloat16)
+            with activations(sname):
+                p = PreparedTable.from_table(qt, dtype=torch.bfloat16)
             print(f"   {sname}: {p.describe()}, {p.nbytes / 2**20:.1f} MiB "
                   f"(bf16 {w.numel() * 2 / 2**20:.1f} MiB); {p.variants()}", flush=True)
             for act in args.acts:
                 fns[f"{sname}@{act}"] = (act, p.linear)
             if not args.no_peers:
-                for acc in (0, 4):
+                for acc in (0, 4) if not sname.endswith("+a8") else ():
                     f, why = ort_head(qt, acc)
                     if f is None:
                         print(f"   {sname}: ORT MatMulNBits accuracy {acc} not timed: {why}")
                     else:
                         fns[f"{sname}-ort{acc}"] = ("f32", f)
-                tf = torch_int8pack_head(qt)
+                tf = None if sname.endswith("+a8") else torch_int8pack_head(qt)
                 if tf is not None:
                     fns[f"{sname}-torch8"] = ("bf16", tf)
             if args.ref:
@@ -312,7 +330,7 @@ def bench_head(args) -> list[dict]:
 # Whole-model sections: Gemma 3 270M, float vs int8 (per row) vs Q4 g32.
 
 MODELS = {"float": None, "int8": dict(bits=8, group_size=0), "int8g64": dict(bits=8, group_size=64),
-          "q4g32": dict(bits=4, group_size=32)}
+          "q4g32": dict(bits=4, group_size=32), "q4g32+a8": "q4g32"}
 PROMPT = [2, 651, 6037, 529, 9405, 563, 496, 3207]  # <bos> + 7 tokens (any ids will do)
 
 
@@ -327,6 +345,9 @@ def gemma_models(workdir: Path) -> dict[str, Path]:
     src = Path(mod.ensure_gemma3_270m())
     out = {}
     for name, qkw in MODELS.items():
+        if isinstance(qkw, str):  # the same files, loaded another way
+            out[name] = out[qkw]
+            continue
         d = workdir / f"gemma3-270m-{name}"
         if not (d / ".bench-ok").exists():
             shutil.rmtree(d, ignore_errors=True)
@@ -376,7 +397,8 @@ def _bench_hf_dtype(args, transformers, embedq, paths, dname) -> list[dict]:
         if name == "float":
             models[name] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
         else:
-            models[name] = embedq.load(str(d), dtype=dtype)
+            with activations(name):
+                models[name] = embedq.load(str(d), dtype=dtype)
         models[name].eval()
     for name, m in models.items():
         kinds = sorted({f"{mod.prepared.kind}: {mod.prepared.variants()}" for mod in m.modules()
@@ -458,7 +480,8 @@ def bench_vllm(args) -> list[dict]:
     try:
         for name, d in paths.items():  # started one after another (compiling takes the CPUs)
             t0 = time.perf_counter()
-            p = subprocess.Popen([sys.executable, "-c", code, str(d), str(maxb)], env=env,
+            penv = dict(env, EMBEDQ_ACTIVATIONS="int8" if name.endswith("+a8") else "exact")
+            p = subprocess.Popen([sys.executable, "-c", code, str(d), str(maxb)], env=penv,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             while True:
                 line = p.stdout.readline()

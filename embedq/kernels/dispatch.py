@@ -5,7 +5,9 @@ Two decisions, both read from :data:`ROUTES`, top row first:
 * at load (:func:`choose_layout`): the first row whose device and bits match and whose
   check passes picks the prepared LAYOUT (one per table: the gather reads it too);
 * at load (:func:`rows_for`): the rows of that layout whose ISA variant runs on this CPU
-  (``build.cpu_flags()``, so ``EMBEDQ_CPU_FEATURES`` can take features away);
+  (``build.cpu_flags()``, so ``EMBEDQ_CPU_FEATURES`` can take features away) and that fit
+  the table; rows with int8 activations only under ``EMBEDQ_ACTIVATIONS=int8``
+  (:mod:`embedq.kernels.actquant`: an opt-in, not exact);
 * per call (:func:`kernel_for`): among those rows, the first whose activation dtype and
   batch range (M = rows of x) match picks the KERNEL; none matching means the chunked
   reference arithmetic over the same layout (decode a bounded chunk, F.linear).
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embedq.kernels import native_f32, native_head
+from embedq.kernels import actquant, native_f32, native_head
 from embedq.kernels.build import LazyLibrary
 from embedq.kernels.layouts import Chunked, Layout, Native, Spec, Triton, chunked
 from embedq.kernels.torch_layouts import Int4Cpu, Int8Group, Int8Row
@@ -51,10 +53,17 @@ class Route:
     why: str              # one line for docs and `describe()`
     lib: LazyLibrary | None = None  # the C library it needs (runs where that loads)
     isa: str = ""         # that library's CPU variant, as docs and EMBEDQ_CPU_FEATURES say it
+    act: str = "exact"    # "int8": activations quantized (actquant), only under EMBEDQ_ACTIVATIONS=int8
+    fits: Callable[[Spec], str | None] | None = None  # why it cannot serve a table (None: it can)
 
 
 _F32 = native_f32.VARIANTS
+_A8 = "4-bit codes x int8 activations (blocks of 32), vpmaddubsw; opt-in EMBEDQ_ACTIVATIONS=int8, not exact"
 ROUTES: tuple[Route, ...] = (
+    *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(_F32[isa]),
+            _A8 if isa != "portable" else _A8.replace("vpmaddubsw", "portable C"), _F32[isa], isa, "int8",
+            Native.fits_a8)
+      for isa in ("avx512f", "avx2", "portable")),
     Route(Triton, "cuda", (4, 8), "any", (BF16, F16, F32), None, "triton", Triton.logits,
           "Triton over the stored pack-quantized layout (codes unpacked per tile, tl.dot, scales after)"),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
@@ -133,10 +142,18 @@ def choose_layout(spec: Spec) -> tuple[type[Layout], list[str]]:
     return Chunked, why
 
 
-def rows_for(layout: str | type[Layout]) -> tuple[Route, ...]:
-    """The rows of ``layout`` whose C library (if any) runs here (decided once, at load)."""
-    layout = layout_named(layout)
-    return tuple(r for r in ROUTES if r.layout is layout and _unavailable(r) is None)
+def rows_for(layout: str | type[Layout], spec: Spec | None = None) -> tuple[Route, ...]:
+    """The rows of ``layout`` whose C library (if any) runs here and that fit ``spec``
+    (decided once, at load); int8-activation rows only under ``EMBEDQ_ACTIVATIONS=int8``."""
+    layout, act = layout_named(layout), actquant.mode()
+    return tuple(r for r in ROUTES if r.layout is layout and _unavailable(r) is None
+                 and (r.act == "exact" or r.act == act) and (spec is None or _fits(r, spec)))
+
+
+def _fits(r: Route, spec: Spec) -> bool:
+    grouping = "row" if spec.group_size is None else "group"
+    return (spec.bits in r.bits and r.groups in ("any", grouping)
+            and (r.fits is None or r.fits(spec) is None))
 
 
 def layout_unavailable(layout: str | type[Layout]) -> str | None:
@@ -163,7 +180,7 @@ def table_markdown() -> str:
     rows = ["| layout | device | CPU variant | bits | scales | activations | M | kernel |",
             "|---|---|---|---|---|---|---|---|"]
     for r in ROUTES:
-        acts = "/".join(str(a).replace("torch.", "") for a in r.acts)
+        acts = "/".join(str(a).replace("torch.", "") for a in r.acts) + (" -> int8" if r.act == "int8" else "")
         rows.append(f"| {r.layout.name} | {r.device} | {r.isa or '-'} | {'/'.join(map(str, r.bits))} | {r.groups} | {acts} | "
                     f"{'1..' + str(r.m_max) if r.m_max else 'any'} | {r.why} |")
     return "\n".join(rows)

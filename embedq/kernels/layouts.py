@@ -257,6 +257,25 @@ class Native(Layout):
             return native_f32.head(lib, self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
         return run
 
+    @staticmethod
+    def head_a8(lib):
+        """4-bit codes x int8 activations (``EMBEDQ_ACTIVATIONS=int8``) of one build of
+        ``native_f32.c``; activations holding inf or NaN take the exact kernel."""
+        exact = Native.head_f32(lib)
+
+        def run(self: "Native", x):
+            sp = self.spec
+            out = native_f32.head_a8(lib, self.w, self.s, self.z, sp.rows, sp.cols, sp.group, x)
+            return exact(self, x) if out is None else out
+        return run
+
+    @staticmethod
+    def fits_a8(spec) -> str | None:
+        """Why the int8-activation rows cannot serve ``spec`` (None: they can)."""
+        if spec.bits != 4:
+            return "8-bit tables stay exact"
+        return None if spec.group % 32 == 0 else f"group {spec.group} is not a multiple of 32"
+
 
 __all__ = ["CHUNK_ELEMS", "Chunked", "KernelFailed", "Layout", "Native", "ROW_ALIGN", "Refused", "Spec",
            "Triton", "chunked", "dequantize_range", "dequantize_rows", "warn_once", "warned"]

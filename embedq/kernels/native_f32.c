@@ -492,3 +492,5 @@ int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
     return 0;
 #endif
 }
+
+#include "eq_q4a8.h"

@@ -38,6 +38,8 @@ def _setup(lib) -> None:
     lib.head_f32.restype = Fi
     lib.head_f32_q4_planes.argtypes = [P, I, I]
     lib.head_f32_q4_planes.restype = Fi
+    lib.head_q4a8.argtypes = [P, P, Fi, P, I, I, I, P, I, P, Fi, I, Fi]
+    lib.head_q4a8.restype = Fi
 
 
 def _source() -> str:
@@ -76,4 +78,24 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
     return out
 
 
-__all__ = ["SOURCE", "VARIANTS", "head"]
+def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Like :func:`head` for a 4-bit table, with ``x`` quantized to int8 per row and block of
+    32 columns (:mod:`embedq.kernels.actquant`; ``EMBEDQ_ACTIVATIONS=int8``). None when ``x``
+    holds inf or NaN (the caller runs the exact kernel)."""
+    so = lib.get()
+    if so is None:
+        raise RuntimeError(lib.unavailable())
+    xf = x.to(torch.float32).contiguous()
+    M = xf.shape[0]
+    out = torch.empty(M, rows, dtype=x.dtype)
+    rc = so.head_q4a8(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
+                      rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
+                      torch.get_num_threads())
+    if rc == 3:
+        return None
+    if rc:
+        raise RuntimeError(f"{lib.label} failed ({rc}: out of memory or bad shape)")
+    return out
+
+
+__all__ = ["SOURCE", "VARIANTS", "head", "head_a8"]

@@ -75,7 +75,7 @@ class PreparedTable:
         self.layout = layout
         self.spec: Spec = layout.spec
         self.reason: str | None = None
-        self.routes: tuple[dispatch.Route, ...] = dispatch.rows_for(type(layout))
+        self.routes: tuple[dispatch.Route, ...] = dispatch.rows_for(type(layout), layout.spec)
         self.last_kernel: str | None = None  # the kernel the latest linear() ran (tests assert it)
 
     @property
@@ -147,9 +147,12 @@ class PreparedTable:
         seen, parts = set(), []
         for r in self.routes:
             acts = [a for a in r.acts if a not in seen]
-            seen.update(acts)
+            if r.m_max is None:
+                seen.update(acts)
             if acts:
-                parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}")
+                m = f" at M <= {r.m_max}" if r.m_max else ""
+                q = " (int8 activations)" if r.act == "int8" else ""
+                parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}{m}{q}")
         return "; ".join(parts) or "chunked"
 
     def move_(self, fn) -> "PreparedTable":
@@ -201,7 +204,7 @@ class PreparedTable:
         self.reason = str(e)
         warn_once(f"{self.reason}; using chunked dequantization")
         self.layout = Chunked.adopt(self.layout)
-        self.routes = dispatch.rows_for(Chunked)
+        self.routes = dispatch.rows_for(Chunked, self.spec)
         return None
 
     # -- logits -----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # exactly the features its library needs ("none" for the portable build). A new CPU
 # family's row is tested here with no edit.
 VARIANTS = {r.isa: r for r in dispatch.ROUTES
-            if r.layout is Native and r.lib is not None and set(r.acts) >= {BF, F16, F32}}
+            if r.layout is Native and r.lib is not None and set(r.acts) >= {BF, F16, F32} and r.act == "exact"}
 SELECT = {isa: ",".join(r.lib.needs) or "none" for isa, r in VARIANTS.items()}
 
 # (bits, group, sym, rows, cols): vocab never a multiple of the 16-row block (nor of the

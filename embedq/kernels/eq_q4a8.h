@@ -1,0 +1,194 @@
+/* 4-bit codes x int8 activations: the opt-in of EMBEDQ_ACTIVATIONS=int8 (not exact).
+
+   Part of native_f32.c (included after its AVX2 section: uses job_t, RB, scale_at, and with
+   AVX2 scales16, group_out, store_row).
+
+   Why: the exact 4-bit kernels spend ~18 vector instructions per 64 codes at M == 1 and are
+   bound by them, not by memory (docs/performance.md). With the activations as int8, a column
+   pair's codes (unsigned bytes) meet them in vpmaddubsw: ~9 per 64 codes.
+
+   Activations: per row and block of 32 columns (llama.cpp's Q8_0, ORT's accuracy level 4),
+   d = amax / 127, q = round-half-even(x * (127 / amax)) in float32; amax == 0: d = 0, q = 0.
+   embedq/kernels/actquant.py is the same rule in torch (the tests' reference). Per row and
+   block the dot  sum q (u - 8)  is an exact int32 (|.| <= 32 * 15 * 127 + 8 * 32 * 127 < 2^24),
+   so it converts to float exactly; d is applied per block, the scale (and z * sum d q) per
+   group as in direct4. The only error against x . dequant(W) is the activations' rounding:
+   on Gemma 3 270M +0.0003 mean KLD for Q4 g32, 0.25 % of that table's own (performance.md). */
+
+enum { A8B = 32, A8MR = 4 };
+
+typedef struct {
+    job_t j;             /* the table, output, rows [nb0, nb1) (j.x unused) */
+    const int8_t* xr;    /* [M][K/4][32]: per column quad (q0 q1) x 8 | (q2 q3) x 8 */
+    const float* d;      /* [M][K/32] */
+    const int32_t* corr; /* [M][K/32]: 8 * sum q (the offset binary's 8, folded in exactly) */
+    const float* xs;     /* [M][G]: sum over the group of d * sum q (asymmetric tables) or NULL */
+    const int8_t* q;     /* [M][K] (the portable build) */
+} a8job_t;
+
+/* Row m's activations -> q, xr, d, corr (and xs). 0, or 1 when a value is not finite. */
+static int a8_quantize(const float* x, int64_t K, int64_t g, int8_t* q, int8_t* xr, float* d, int32_t* corr,
+                       float* xs) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: v + magic - magic rounds |v| < 2^22 half-even */
+    for (int64_t b = 0; b < K / A8B; b++) {
+        float amax = 0.0f;
+        for (int k = 0; k < A8B; k++) {
+            const float a = x[b * A8B + k] < 0 ? -x[b * A8B + k] : x[b * A8B + k];
+            if (!(a <= 3.4028234663852886e38f)) return 1; /* inf, NaN */
+            if (a > amax) amax = a;
+        }
+        const float id = amax > 0 ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int k = 0; k < A8B; k++) {
+            /* volatile: the product is rounded on its own (GCC would contract x * id + magic
+               into one FMA, which rounds ties differently from torch's x * id, then round) */
+            volatile float v = x[b * A8B + k] * id;
+            int32_t r = (int32_t)((v + magic) - magic);
+            r = r > 127 ? 127 : r < -127 ? -127 : r;
+            q[b * A8B + k] = (int8_t)r;
+            sum += r;
+        }
+        d[b] = amax / 127.0f;
+        corr[b] = 8 * sum;
+    }
+    for (int64_t c = 0; c < K / 4; c++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 8; r++) {
+                xr[c * 32 + h * 16 + 2 * r] = q[4 * c + 2 * h];
+                xr[c * 32 + h * 16 + 2 * r + 1] = q[4 * c + 2 * h + 1];
+            }
+    if (xs)
+        for (int64_t gi = 0; gi < K / g; gi++) {
+            float a = 0.0f;
+            for (int64_t b = gi * (g / A8B); b < (gi + 1) * (g / A8B); b++) a += d[b] * (float)(corr[b] / 8);
+            xs[gi] = a;
+        }
+    return 0;
+}
+
+#if EQ_AVX2
+/* Rows m0 .. m0 + nm - 1 (nm <= A8MR) of the 16 table rows of block nb into o [nm][16]. */
+static inline __attribute__((always_inline)) void a8_block(const a8job_t* A, const int nm, int64_t nb,
+                                                           int64_t m0, float* o) {
+    const job_t* j = &A->j;
+    const int64_t K = j->K, KB = K / A8B, G = j->G, BPG = j->g / A8B;
+    const uint8_t* wb = j->w + nb * (K / 2) * 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 t[A8MR][2];
+        for (int i = 0; i < nm; i++) t[i][0] = t[i][1] = _mm256_setzero_ps();
+        for (int64_t kb = gi * BPG; kb < (gi + 1) * BPG; kb++) {
+            /* s16 sums per row and pair (lane 0: pair 2it, lane 1: 2it + 1): 8 x 3810 < 2^15 */
+            __m256i acc[A8MR][2];
+            for (int i = 0; i < nm; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            const uint8_t* b0 = wb + kb * 256;
+            for (int it = 0; it < 8; it++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                /* (c0, c1) byte pairs: rows 0-7 (u0) and 8-15 (u1) of both pairs */
+                const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+                for (int i = 0; i < nm; i++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(A->xr + ((m0 + i) * (K / 4) + kb * 8 + it) * 32));
+                    acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(u0, xv));
+                    acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(u1, xv));
+                }
+            }
+            for (int i = 0; i < nm; i++) {
+                const int64_t mb = (m0 + i) * KB + kb;
+                const __m256i c = _mm256_set1_epi32(A->corr[mb]);
+                const __m256 dd = _mm256_set1_ps(A->d[mb]);
+                __m256i r[2];
+                for (int h = 0; h < 2; h++)
+                    r[h] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[i][h])),
+                                                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[i][h], 1))), c);
+                t[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[0]), dd, t[i][0]);
+                t[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[1]), dd, t[i][1]);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++)
+            group_out(j, nb, gi, A->xs ? A->xs[(m0 + i) * G + gi] : 0.0f, s0, s1, t[i][0], t[i][1], o + i * RB);
+    }
+}
+#endif
+
+static void* a8_run(void* arg) {
+    const a8job_t* A = (const a8job_t*)arg;
+    const job_t* j = &A->j;
+    const int64_t K = j->K, G = j->G, KB = K / A8B, BPG = j->g / A8B;
+    float o[A8MR * RB];
+    for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
+        const int64_t r0 = nb * RB;
+        const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
+        for (int64_t m0 = 0; m0 < j->M; m0 += A8MR) {
+            const int nm = j->M - m0 < A8MR ? (int)(j->M - m0) : A8MR;
+#if EQ_AVX2
+            switch (nm) {
+                case 1: a8_block(A, 1, nb, m0, o); break;
+                case 2: a8_block(A, 2, nb, m0, o); break;
+                case 3: a8_block(A, 3, nb, m0, o); break;
+                default: a8_block(A, 4, nb, m0, o); break;
+            }
+#else
+            const uint8_t* wb = j->w + nb * (K / 2) * 16;
+            for (int i = 0; i < nm; i++) {
+                const int8_t* q = A->q + (m0 + i) * K;
+                for (int r = 0; r < RB; r++) {
+                    float acc = 0.0f;
+                    for (int64_t gi = 0; gi < G; gi++) {
+                        float t = 0.0f;
+                        for (int64_t kb = gi * BPG; kb < (gi + 1) * BPG; kb++) {
+                            int32_t dot = 0;
+                            for (int p = 0; p < A8B / 2; p++) {
+                                const uint8_t c = wb[(kb * (A8B / 2) + p) * RB + r];
+                                dot += (c & 15) * q[kb * A8B + 2 * p] + (c >> 4) * q[kb * A8B + 2 * p + 1];
+                            }
+                            t += (float)(dot - A->corr[(m0 + i) * KB + kb]) * A->d[(m0 + i) * KB + kb];
+                        }
+                        const int64_t si = (nb * G + gi) * RB + r;
+                        if (j->z) t -= (float)j->z[si] * A->xs[(m0 + i) * G + gi];
+                        acc += t * scale_at(j->s, j->skind, si);
+                    }
+                    o[i * RB + r] = acc;
+                }
+            }
+#endif
+            for (int i = 0; i < nm; i++) store_row(o + i * RB, j->out, j->okind, (m0 + i) * j->ldo + r0, nr);
+        }
+    }
+    return NULL;
+}
+
+/* logits[M, V] = int8(x)[M, K] @ dequant(W)^T for a 4-bit table with groups of 32k columns.
+   0 on success; 2 bad shape; 3 a value of x is not finite (the caller takes the exact kernel). */
+int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
+              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+    const int64_t NB = (V + RB - 1) / RB, KB = K / A8B, G = K / g;
+    if (g % A8B || K % g) return 2;
+    int8_t* q = malloc((size_t)M * K);
+    int8_t* xr = malloc((size_t)M * K * 8);
+    float* d = malloc(sizeof(float) * M * KB);
+    int32_t* corr = malloc(sizeof(int32_t) * M * KB);
+    float* xs = z ? malloc(sizeof(float) * M * G) : NULL;
+    int rc = 1;
+    if (!q || !xr || !d || !corr || (z && !xs)) goto done;
+    rc = 3;
+    for (int64_t m = 0; m < M; m++)
+        if (a8_quantize(x + m * K, K, g, q + m * K, xr + m * K * 8, d + m * KB, corr + m * KB, xs ? xs + m * G : NULL))
+            goto done;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > NB) nthreads = (int)NB;
+    if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
+    a8job_t jobs[EQ_MAX_THREADS];
+    for (int t = 0; t < nthreads; t++) {
+        job_t jj = {w, s, z, x, NULL, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, 4, skind,
+                    okind, NULL};
+        a8job_t a = {jj, xr, d, corr, xs, q};
+        jobs[t] = a;
+    }
+    rc = eq_fanout(a8_run, jobs, sizeof(a8job_t), nthreads);
+done:
+    free(q); free(xr); free(d); free(corr); free(xs);
+    return rc;
+}
