@@ -4,6 +4,7 @@
     python scripts/eval_gemma3.py                 # the README rows (~15-30 min on 2 cores)
     python scripts/eval_gemma3.py --all           # + int8 g64, g32 with float32 scales, Q4 g64 / g128
     python scripts/eval_gemma3.py --rows int8-row,q4-g32 --contexts 24
+    python scripts/eval_gemma3.py --rows q4-g32,q4-g32-a8,q4-g64,q4-g64-a8   # the int8-activation opt-in
 
 Each row quantizes a private copy of the checkpoint (shards hard-linked, never
 modified) in place with plain RTN and runs :func:`embedq.quality.evaluate` with the given
@@ -47,6 +48,10 @@ ROWS = {
     "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
     "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8), False),
 }
+# "-a8": the same overlay served under EMBEDQ_ACTIVATIONS=int8 (the head's input rounded to
+# int8 per block of 32: embedq.kernels.actquant); not advice rows (the table is the same)
+for _n in ("q4-g32", "q4-g32-asym", "q4-g64", "q4-g128"):
+    ROWS[f"{_n}-a8"] = (ROWS[_n][0] + ", int8 activations", ROWS[_n][1], False)
 DEFAULT_ROWS = ["int8-row", "int8-g128", "int8-g32", "q4-g32", "q4-g32-asym", "int8-row-gather",
                 "q4-g32-gather", "q4-g32-head8"]
 ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "int8-g32-f32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
@@ -73,7 +78,7 @@ def update_advice(results: list[dict], machine_line: str, command: str, path: Pa
     when = time.strftime("%Y-%m-%d", time.gmtime())
     for r in results:
         key = advice_key(r["quantize"], r["float_head"])
-        if key is None:
+        if key is None or r.get("row", "").endswith("-a8"):
             continue
         data["rows"] = [x for x in data["rows"]
                         if (x["bits"], x["group_size"], x["symmetric"], x["head"]) != key]
@@ -158,6 +163,7 @@ def main(argv=None) -> int:
             current = qkw
             overlay_mb = rep.bytes_after / 1e6
         t0 = time.perf_counter()
+        os.environ["EMBEDQ_ACTIVATIONS"] = "int8" if name.endswith("-a8") else "exact"
         r = embedq.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
                             float_head=float_head, progress=False)
         row = {"row": name, "label": label, "quantize": qkw, "float_head": float_head,

@@ -399,3 +399,31 @@ def test_gpt2_tied(builder):
     ref = _check_embedding(d, embed, "transformer.wte")
     _check_logits(model, head, ref, d, "transformer.wte")
     _check_memory(d, embed, "transformer.wte")
+
+
+def test_int8_activations_opt_in(builder, monkeypatch):
+    """EMBEDQ_ACTIVATIONS=int8 in the serving process: vLLM's head runs the int8-activation
+    row over the one prepared table (gather still bit-exact), equal to the activations as
+    embedq.kernels.actquant rounds them times the dequantized table."""
+    from embedq.kernels import actquant, dispatch
+    if dispatch.layout_unavailable("native"):
+        pytest.skip(dispatch.layout_unavailable("native"))
+    monkeypatch.setenv("EMBEDQ_ACTIVATIONS", "int8")
+    d = builder.quantized("qwen2", "q4g32", **SCHEMES["q4g32"])
+    _, model = load_model(d)
+    embed, head = vocab_layers(model)
+    p = prepared(head)
+    assert p is prepared(embed) and p.kind == "native"
+    ref = _check_embedding(d, embed, "model.embed_tokens")
+    ref32 = reference(d, "model.embed_tokens", torch.float32)
+    vocab, hidden = ref.shape
+    h = torch.randn(5, hidden, generator=torch.Generator().manual_seed(2))
+    for dt in (torch.bfloat16, torch.float32):
+        got = head.quant_method.apply(head, h.to(dt))[:, :vocab]
+        assert p.last_kernel.endswith("_a8"), p.last_kernel
+        q, s = actquant.quantize(h.to(dt))
+        xq = actquant.dequantize(q, s).double()
+        want = xq @ ref32.double().t()
+        bound = (2 * {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[dt] + hidden * 2.0 ** -24) * (
+            xq.abs() @ ref32.double().abs().t()) + 1e-30
+        assert ((got.double() - want).abs() <= bound).all()
