@@ -278,7 +278,7 @@ def bench_head(args) -> list[dict]:
             for act in args.acts:
                 fns[f"{sname}@{act}"] = (act, p.linear)
             if not args.no_peers:
-                for acc in (0, 4) if not sname.endswith("+a8") else ():
+                for acc in (0, 4) if not sname.endswith("+a8") else (4,):  # +a8: its like, int8 activations
                     f, why = ort_head(qt, acc)
                     if f is None:
                         print(f"   {sname}: ORT MatMulNBits accuracy {acc} not timed: {why}")
