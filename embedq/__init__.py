@@ -126,10 +126,11 @@ def apply(base, overlay, force: bool = False) -> Report:
     return apply_overlay(base, overlay, force=force)
 
 
-def load(path, **from_pretrained_kwargs):
-    """Load a checkpoint with an embedq overlay into transformers (quantized modules)."""
+def load(path, *, activations: str | None = None, **from_pretrained_kwargs):
+    """Load a checkpoint with an embedq overlay into transformers (quantized modules).
+    ``activations="int8"``: 4-bit heads with int8 activations (opt-in, not exact)."""
     from embedq.backends.transformers import load as _load
-    return _load(path, **from_pretrained_kwargs)
+    return _load(path, activations=activations, **from_pretrained_kwargs)
 
 
 def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None, contexts: int = 12,

@@ -20,8 +20,13 @@ BLOCK = 32
 MODES = ("exact", "int8")
 
 
-def mode() -> str:
-    """``EMBEDQ_ACTIVATIONS`` (``exact``, the default, or ``int8``), read when a table is prepared."""
+def mode(value: str | None = None) -> str:
+    """``value`` checked, or else ``EMBEDQ_ACTIVATIONS`` (``exact``, the default, or ``int8``),
+    read when a table is prepared."""
+    if value is not None:
+        if value not in MODES:
+            raise ValueError(f"activations={value!r}: not one of {', '.join(MODES)}")
+        return value
     v = os.environ.get("EMBEDQ_ACTIVATIONS", "").strip().lower() or "exact"
     if v not in MODES:
         raise ValueError(f"EMBEDQ_ACTIVATIONS={v}: not one of {', '.join(MODES)}")

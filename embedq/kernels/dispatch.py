@@ -142,10 +142,11 @@ def choose_layout(spec: Spec) -> tuple[type[Layout], list[str]]:
     return Chunked, why
 
 
-def rows_for(layout: str | type[Layout], spec: Spec | None = None) -> tuple[Route, ...]:
+def rows_for(layout: str | type[Layout], spec: Spec | None = None, act: str | None = None) -> tuple[Route, ...]:
     """The rows of ``layout`` whose C library (if any) runs here and that fit ``spec``
-    (decided once, at load); int8-activation rows only under ``EMBEDQ_ACTIVATIONS=int8``."""
-    layout, act = layout_named(layout), actquant.mode()
+    (decided once, at load); int8-activation rows only for ``act="int8"`` (default:
+    ``EMBEDQ_ACTIVATIONS``)."""
+    layout, act = layout_named(layout), actquant.mode(act)
     return tuple(r for r in ROUTES if r.layout is layout and _unavailable(r) is None
                  and (r.act == "exact" or r.act == act) and (spec is None or _fits(r, spec)))
 

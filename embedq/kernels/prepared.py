@@ -155,6 +155,13 @@ class PreparedTable:
                 parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}{m}{q}")
         return "; ".join(parts) or "chunked"
 
+    def use_activations(self, mode: str) -> str:
+        """Serve with ``mode`` = ``"exact"`` or ``"int8"`` (int8 activations: 4-bit tables
+        with groups of 32k; see :mod:`embedq.kernels.actquant`) from now on, as
+        ``EMBEDQ_ACTIVATIONS`` would at load. Returns :meth:`variants` (what now serves)."""
+        self.routes = dispatch.rows_for(type(self.layout), self.spec, mode)
+        return self.variants()
+
     def move_(self, fn) -> "PreparedTable":
         """Apply ``fn`` (a ``Module._apply`` function: a device or dtype move) to the held
         tensors, in place (codes and scales keep their dtype; see the layout's ``move_``)."""

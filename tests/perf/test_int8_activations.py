@@ -153,3 +153,35 @@ def test_avx512f_build_equals_avx2_bit_for_bit(monkeypatch):
             x = torch.randn(m, cols, generator=gen).to(dt)
             args = (L.w, L.s, L.z, sp.rows, sp.cols, sp.group, x)
             assert torch.equal(native_f32.head_a8(lib, *args), native_f32.head_a8(native_f32.VARIANTS["avx2"], *args))
+
+
+def test_transformers_load_opt_in(model_factory, monkeypatch):
+    """``embedq.load(path, activations="int8")`` (no environment): the tied 4-bit head runs
+    the int8 row and equals actquant's activations times the table; logits of the same
+    model loaded exact differ only by that rounding; a bad value is one OverlayError line."""
+    import embedq
+    from embedq.errors import OverlayError
+    if dispatch.layout_unavailable("native"):
+        pytest.skip(dispatch.layout_unavailable("native"))
+    monkeypatch.delenv("EMBEDQ_ACTIVATIONS", raising=False)
+    path = model_factory("qwen2_tied")
+    embedq.quantize(path, bits=4, progress=False)
+    ids = torch.tensor([[1, 5, 7, 300, 2]])
+    exact = embedq.load(path).eval()
+    a8 = embedq.load(path, activations="int8").eval()
+    head = a8.get_output_embeddings()
+    assert head.table.prepared is a8.get_input_embeddings().table.prepared  # tied: one table
+    with torch.no_grad():
+        h = a8.model(ids).last_hidden_state[0]
+        got = a8(ids).logits[0]
+        assert head.table.prepared.last_kernel.endswith("_a8")
+        want = exact(ids).logits[0]
+        assert not exact.get_output_embeddings().table.prepared.last_kernel.endswith("_a8")
+    q, d = actquant.quantize(h)
+    W = head.table.prepared.dequantize_range(0, head.table.prepared.rows, F32).double()
+    ref = actquant.dequantize(q, d).double() @ W.t()
+    a = actquant.dequantize(q, d).double().abs() @ W.abs().t()
+    assert ((got.double() - ref).abs() <= (2 * U[got.dtype] + h.shape[-1] * 2.0 ** -24) * a + 1e-30).all()
+    assert (got.float() - want.float()).abs().max() > 0  # the rounding shows, exact stays exact
+    with pytest.raises(OverlayError, match="activations='int4'"):
+        embedq.load(path, activations="int4")

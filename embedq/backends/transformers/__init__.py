@@ -52,7 +52,7 @@ def register() -> None:
 # public entry point
 
 
-def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
+def load(path: str | os.PathLike, model_class=None, activations: str | None = None, **from_pretrained_kwargs):
     """Load a checkpoint with an embedq overlay (in place or derived) into transformers.
 
     ``model_class`` defaults to the class config.json names in ``architectures`` (as
@@ -61,8 +61,15 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     ``AutoModelForImageTextToText`` for multimodal configs). Extra keyword arguments go
     to ``from_pretrained`` (``dtype=``, ``device_map=`` ...). The returned model has
     :class:`QuantizedEmbedding` / :class:`QuantizedLMHead` modules and ``generate()``
-    works as usual.
+    works as usual. ``activations="int8"`` serves 4-bit heads with int8 activations (an
+    opt-in, not exact: :mod:`embedq.kernels.actquant`); default ``EMBEDQ_ACTIVATIONS``, else exact.
     """
+    if activations is not None:
+        from embedq.kernels import actquant
+        try:
+            actquant.mode(activations)
+        except ValueError as e:
+            raise OverlayError(f"{path}: {e}") from None
     p = Path(path)
     if not p.is_dir():
         raise OverlayError(f"{p}: no such checkpoint folder")
@@ -93,6 +100,10 @@ def load(path: str | os.PathLike, model_class=None, **from_pretrained_kwargs):
     model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
     if not quantized_modules(model):
         raise OverlayError(f"{p}: loaded, but no module was replaced by the overlay")
+    if activations is not None:
+        for m in quantized_modules(model).values():
+            if m.table.prepared is not None:
+                m.table.prepared.use_activations(activations)
     return result
 
 
