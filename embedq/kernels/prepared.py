@@ -25,7 +25,7 @@ import sys
 import torch
 
 from embedq.format.codec import unpack_zero_points
-from embedq.kernels import dispatch, layouts
+from embedq.kernels import actquant, dispatch, layouts
 from embedq.kernels.layouts import Chunked, KernelFailed, Refused, Spec, warn_once
 from embedq.kernels.layouts import warned as _warned
 from embedq.kernels.torch_int4 import int4_layout as _int4_layout
@@ -75,7 +75,8 @@ class PreparedTable:
         self.layout = layout
         self.spec: Spec = layout.spec
         self.reason: str | None = None
-        self.routes: tuple[dispatch.Route, ...] = dispatch.rows_for(type(layout), layout.spec)
+        self.activations = actquant.mode()  # "exact", or "int8" where a row fits (EMBEDQ_ACTIVATIONS)
+        self.routes: tuple[dispatch.Route, ...] = dispatch.rows_for(type(layout), layout.spec, self.activations)
         self.last_kernel: str | None = None  # the kernel the latest linear() ran (tests assert it)
 
     @property
@@ -153,13 +154,26 @@ class PreparedTable:
                 m = f" at M <= {r.m_max}" if r.m_max else ""
                 q = " (int8 activations)" if r.act == "int8" else ""
                 parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}{m}{q}")
+        if self.activations != "exact" and not any(r.act == self.activations for r in self.routes):
+            parts.append(f"{self.activations} activations not used: {self._why_exact()}")
         return "; ".join(parts) or "chunked"
+
+    def _why_exact(self) -> str:
+        sp = self.spec
+        if sp.bits != 4:
+            return "8-bit tables stay exact"
+        if sp.group_size is None:
+            return "4-bit per-row tables stay exact"
+        rows = [r for r in dispatch.ROUTES if r.act == self.activations and r.layout is type(self.layout)]
+        why = [r.fits(sp) for r in rows if r.fits is not None and r.fits(sp)]
+        return why[0] if why else f"no such kernel for the {self.kind} layout on this CPU"
 
     def use_activations(self, mode: str) -> str:
         """Serve with ``mode`` = ``"exact"`` or ``"int8"`` (int8 activations: 4-bit tables
         with groups of 32k; see :mod:`embedq.kernels.actquant`) from now on, as
         ``EMBEDQ_ACTIVATIONS`` would at load. Returns :meth:`variants` (what now serves)."""
-        self.routes = dispatch.rows_for(type(self.layout), self.spec, mode)
+        self.activations = actquant.mode(mode)
+        self.routes = dispatch.rows_for(type(self.layout), self.spec, self.activations)
         return self.variants()
 
     def move_(self, fn) -> "PreparedTable":
@@ -211,7 +225,7 @@ class PreparedTable:
         self.reason = str(e)
         warn_once(f"{self.reason}; using chunked dequantization")
         self.layout = Chunked.adopt(self.layout)
-        self.routes = dispatch.rows_for(Chunked, self.spec)
+        self.routes = dispatch.rows_for(Chunked, self.spec, self.activations)
         return None
 
     # -- logits -----------------------------------------------------------------------------

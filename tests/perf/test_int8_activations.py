@@ -111,10 +111,11 @@ def test_opt_in_only_and_only_where_it_fits(monkeypatch):
     p.linear(x)
     assert not p.last_kernel.endswith("_a8")
     monkeypatch.setenv("EMBEDQ_ACTIVATIONS", "int8")
-    for bits, group in ((8, 32), (8, None), (4, None), (4, 16)):
+    for bits, group, why in ((8, 32, "8-bit"), (8, None, "8-bit"), (4, None, "per-row"), (4, 16, "group 16")):
         p = PreparedTable.from_table(_table(bits, group, True, 100, 192, BF))
         p.linear(x)
         assert p.kind == "native" and not p.last_kernel.endswith("_a8"), (bits, group, p.last_kernel)
+        assert "int8 activations not used: " in p.variants() and why in p.variants(), p.variants()
     monkeypatch.setenv("EMBEDQ_ACTIVATIONS", "fp8")
     with pytest.raises(ValueError, match="EMBEDQ_ACTIVATIONS=fp8"):
         PreparedTable.from_table(_table(4, 32, True, 100, 192, BF))
