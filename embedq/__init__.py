@@ -137,13 +137,13 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None, 
              length: int = 128, reference: str | os.PathLike | None = None, dtype="float32",
              float_head: bool = False, tokens=None, bos: int | None | str = "auto",
              bootstrap: int = 2000, seed: int = 0, progress: bool = True, device: str | None = None,
-             floor: bool | None = None):
+             floor: bool | None = None, activations: str | None = None):
     """KLD of the overlaid model against the float one (see :func:`embedq.quality.evaluate.evaluate`;
     the keywords are ``embedq eval``'s flags)."""
     from embedq.quality.evaluate import evaluate as _evaluate
     return _evaluate(path, text=text, contexts=contexts, length=length, reference=reference, dtype=dtype,
                      float_head=float_head, tokens=tokens, bos=bos, bootstrap=bootstrap, seed=seed,
-                     progress=progress, device=device, floor=floor)
+                     progress=progress, device=device, floor=floor, activations=activations)
 
 
 def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str = "auto",

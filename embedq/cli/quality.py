@@ -26,6 +26,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32, bfloat16, float16"),
         float_head: bool = typer.Option(False, "--float-head", help="Keep the head float (measure the "
                                         "gather only)"),
+        activations: Optional[str] = typer.Option(None, "--activations", help="exact, or int8: 4-bit heads "
+                                                  "with int8 activations, the serving opt-in (default: "
+                                                  "EMBEDQ_ACTIVATIONS, else exact)"),
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed"),
         floor: Optional[bool] = typer.Option(None, "--floor/--no-floor", help="Also measure the float model "
                                              "run in bf16: the noise floor (default: for a bf16 model)"),
@@ -37,7 +40,7 @@ def register(app: typer.Typer) -> None:
         from embedq.quality.evaluate import evaluate
         r = run(evaluate, model, text=text, contexts=contexts, length=length, reference=reference,
                  dtype=dtype, float_head=float_head, seed=seed, progress=not (quiet or as_json),
-                 device=device, floor=floor)
+                 device=device, floor=floor, activations=activations)
         typer.echo(r.to_json() if as_json else r.table())
 
     @app.command("plan")

@@ -79,6 +79,7 @@ class EvalResult:
     floor_kld: float | None = None
     floor_kld_ci95: tuple[float, float] | None = None
     floor_same_top1: float | None = None
+    activations: str = "exact"  # "int8": the head's input rounded (the serving opt-in)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +90,7 @@ class EvalResult:
     def table(self) -> str:
         mods = ", ".join(f"{m}: {s}" for m, s in self.modules.items())
         head = " (head kept float)" if self.float_head else ""
+        head += " (int8 activations)" if self.activations == "int8" else ""
         lo, hi = self.kld_ci95
         tlo, thi = self.same_top1_ci95
         dlo, dhi = self.delta_ppl_ci95
@@ -283,7 +285,8 @@ def source_is_bf16(path: Path, qconfig: OverlayConfig) -> bool:
 
 
 def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = None,
-              dtype="float32", float_head: bool = False, device: str | None = None):
+              dtype="float32", float_head: bool = False, device: str | None = None,
+              activations: str | None = None):
     """(reference model, quantized model) for ``path``; see :func:`evaluate`."""
     from embedq.backends.transformers import QuantizedLMHead, load
     from embedq.format.reader import parse_overlay_config
@@ -293,7 +296,7 @@ def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = Non
     check_reference(p, ref_path, qconfig)
     dt = _dtype(dtype)
     with quiet_transformers():
-        quant = load(p, dtype=dt, **({"device_map": device} if device else {})).eval()
+        quant = load(p, dtype=dt, activations=activations, **({"device_map": device} if device else {})).eval()
     ref = load_reference(ref_path, type(quant), dt, device)
     if float_head:
         for name, m in list(quant.named_modules()):
@@ -321,7 +324,8 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
              reference: str | os.PathLike | None = None, dtype="float32", float_head: bool = False,
              tokens: list[int] | torch.Tensor | None = None, bos: int | None | str = "auto",
              bootstrap: int = BOOTSTRAP_SAMPLES, seed: int = 0, progress: bool = True,
-             device: str | None = None, floor: bool | None = None) -> EvalResult:
+             device: str | None = None, floor: bool | None = None,
+             activations: str | None = None) -> EvalResult:
     """Mean / percentile KLD, same-top-1 and Δ perplexity of the overlay at ``path``.
 
     - ``reference``: the float checkpoint (default: ``path`` itself, whose shards still
@@ -333,13 +337,20 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
     - ``float_head``: keep the float head in the quantized model (measures the gather only).
     - ``bos``: token id that starts every context (``"auto"``: the tokenizer's / config's).
     - ``device``: where both models run (``"cuda"`` ...; default CPU).
+    - ``activations``: ``"int8"`` measures the serving opt-in (4-bit heads with int8
+      activations, :mod:`embedq.kernels.actquant`); default ``EMBEDQ_ACTIVATIONS``, else exact.
     - ``floor``: also measure the float model run in bfloat16 against the reference (the
       noise floor, one more forward pass per context); ``None``: when the checkpoint's
       tables are bf16 and ``dtype`` is float32.
     """
     t0 = time.perf_counter()
     from embedq.format.reader import parse_overlay_config
+    from embedq.kernels import actquant
     p = Path(path)
+    try:
+        actquant.mode(activations)
+    except ValueError as e:
+        raise EvalError(f"{p}: {e} (--activations)") from None
     qconfig = parse_overlay_config(p)
     tokenizer, tok_bos = None, None
     if tokens is None:
@@ -365,14 +376,19 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
                         f"or use --dtype float32 (not {dtype})")
     if floor is None:
         floor = _dtype(dtype) == torch.float32 and source_is_bf16(ref_path, qconfig)
-    ref, quant = load_pair(p, reference, dtype, float_head, device)
+    ref, quant = load_pair(p, reference, dtype, float_head, device, activations)
+    from embedq.backends.transformers import QuantizedLMHead
+    used = {m.table.prepared.activations for m in quant.modules()  # heads that really round them
+            if isinstance(m, QuantizedLMHead) and m.table.prepared is not None
+            and any(r.act != "exact" for r in m.table.prepared.routes)}
     low = load_reference(ref_path, type(quant), torch.bfloat16, device) if floor else None
     stats = compare_models(ref, quant, ctx, bootstrap=bootstrap, seed=seed, progress=progress, floor=low)
     del ref, quant, low
     return EvalResult(path=str(p), reference=str(Path(reference) if reference else p), text=desc,
                       contexts=contexts, length=length, dtype=str(_dtype(dtype)).replace("torch.", ""),
                       modules=_labels(qconfig, float_head), float_head=float_head,
-                      seconds=time.perf_counter() - t0, bos=bos is not None, **stats)
+                      seconds=time.perf_counter() - t0, bos=bos is not None,
+                      activations=used.pop() if used else "exact", **stats)
 
 
 __all__ = ["evaluate", "EvalResult", "EvalError", "compare_models", "token_stats", "token_stats_many",

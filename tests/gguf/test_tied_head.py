@@ -50,7 +50,7 @@ def test_tied_base_gets_an_exact_added_head(tied, tmp_path):
     out = tmp_path / "out.gguf"
     res = runner.invoke(app, ["gguf", str(base), "--overlay", str(ov), "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    rep = json.loads(res.output)
+    rep = json.loads(res.stdout)
     assert {t["tensor"]: (t["type_before"], t["type_after"]) for t in rep["tables"]} == {
         "token_embd.weight": ("Q8_0", "Q4_0"), "output.weight": ("(added)", "Q8_0")}
     assert os.path.getsize(out) == rep["bytes_after"]

@@ -32,7 +32,7 @@ def test_separate_head_scheme_exact(tiny, tiny_overlays, tmp_path):
     out = tmp_path / "out.gguf"
     res = gguf_cli(base, tiny_overlays["q4"], out, "--json")
     assert res.exit_code == 0, res.output
-    rep = json.loads(res.output)
+    rep = json.loads(res.stdout)
     assert {t["tensor"]: t["type_after"] for t in rep["tables"]} == {"token_embd.weight": "Q4_0",
                                                                      "output.weight": "Q8_0"}
     assert rep["tied"] is False and os.path.getsize(out) == rep["bytes_after"]
@@ -154,7 +154,7 @@ def test_inspect(tiny):
     _, base = tiny
     res = runner.invoke(app, ["inspect", str(base), "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["format"] == "gguf" and d["tied"] is False and d["architecture"] == "llama"
     rows = {r["tensor"]: r for r in d["tables"]}
     assert rows["token_embd.weight"]["shape"] == [300, 64] and rows["output.weight"]["type"] == "Q8_0"
@@ -177,7 +177,7 @@ def test_inspect_decides_by_content(tiny):
     other = base.parent / "renamed.bin"
     shutil.copy(base, other)
     res = runner.invoke(app, ["inspect", str(other), "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["format"] == "gguf", res.output
+    assert res.exit_code == 0 and json.loads(res.stdout)["format"] == "gguf", res.output
     other.unlink()
 
 

@@ -137,7 +137,7 @@ def test_cli_eval_json_matches_python_api(model_factory, tmp_path):
     res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "4", "--length", "24",
                                    "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     api = embedq.evaluate(src, text=text, contexts=4, length=24, progress=False)
     for k in ("mean_kld", "kld_p99", "same_top1", "delta_ppl", "tokens"):
         assert d[k] == getattr(api, k)
@@ -195,7 +195,29 @@ def test_cli_eval_floor_flag(model_factory, tmp_path):
     res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "2", "--length", "16",
                                    "--no-floor", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["floor_kld"] is None
+    assert json.loads(res.stdout)["floor_kld"] is None
     res = CliRunner().invoke(app, ["eval", str(src), "--text", str(text), "--contexts", "2", "--length", "16",
                                    "--floor", "--dtype", "bfloat16"])
     assert res.exit_code == 2 and "float32 reference" in res.output
+
+
+def test_eval_measures_the_int8_activation_opt_in(model_factory, monkeypatch):
+    """``embedq eval --activations int8``: the 4-bit head served with int8 activations (what
+    the opt-in costs), said in the result; 8-bit heads stay exact and say so; a bad value is
+    one line naming the flag."""
+    from embedq.kernels import dispatch
+    if dispatch.layout_unavailable("native"):
+        pytest.skip(dispatch.layout_unavailable("native"))
+    monkeypatch.delenv("EMBEDQ_ACTIVATIONS", raising=False)
+    src = model_factory("qwen2_tied")
+    embedq.quantize(src, bits=4, progress=False)
+    kw = dict(tokens=TOKENS, contexts=3, length=8, bos=BOS, progress=False, floor=False)
+    exact = embedq.evaluate(src, **kw)
+    a8 = embedq.evaluate(src, activations="int8", **kw)
+    assert exact.activations == "exact" and a8.activations == "int8"
+    assert a8.mean_kld != exact.mean_kld and "(int8 activations)" in a8.table()
+    res = CliRunner().invoke(app, ["eval", str(src), "--activations", "int4", "--contexts", "2"])
+    assert res.exit_code != 0 and "--activations" in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    embedq.quantize(src, bits=8, progress=False, force=True)
+    assert embedq.evaluate(src, activations="int8", **kw).activations == "exact"

@@ -283,7 +283,7 @@ def test_cli_plan_json_matches_api(model_factory):
     res = CliRunner().invoke(app, ["plan", str(src), "--gpu-mem", "2GiB", "--kv-dtype", "fp8",
                                    "--max-model-len", "4096", "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     api = embedq.plan(src, "2GiB", kv_dtype="fp8", max_model_len=4096)
     assert d["before"]["kv_tokens"] == api.before.kv_tokens
     assert d["after"]["kv_tokens"] == api.after.kv_tokens

@@ -115,6 +115,6 @@ def test_cli_plan_hub_json(hub):
     res = CliRunner().invoke(app, ["plan", repo, "--gpu-mem", "2GiB", "--kv-dtype", "fp8",
                                    "--max-model-len", "4096", "--reserve", "0.5GiB", "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["vllm"]["version"] == "0.33.0" and d["before"]["weights"] == W_FLOAT
     _no_weight_bytes(hub)
