@@ -48,7 +48,7 @@ ROWS = {
     "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
     "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8), False),
 }
-# "-a8": the same overlay served under EMBEDQ_ACTIVATIONS=int8 (the head's input rounded to
+# "-a8": the same overlay evaluated with activations="int8" (the head's input rounded to
 # int8 per block of 32: embedq.kernels.actquant); not advice rows (the table is the same)
 for _n in ("q4-g32", "q4-g32-asym", "q4-g64", "q4-g128"):
     ROWS[f"{_n}-a8"] = (ROWS[_n][0] + ", int8 activations", ROWS[_n][1], False)
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
             current = qkw
             overlay_mb = rep.bytes_after / 1e6
         t0 = time.perf_counter()
-        os.environ["EMBEDQ_ACTIVATIONS"] = "int8" if name.endswith("-a8") else "exact"
         r = embedq.evaluate(ckpt, text=args.text, contexts=contexts, length=length, dtype=args.dtype,
-                            float_head=float_head, progress=False)
+                            float_head=float_head, progress=False,
+                            activations="int8" if name.endswith("-a8") else "exact")
         row = {"row": name, "label": label, "quantize": qkw, "float_head": float_head,
                "overlay_MB": round(overlay_mb, 1), "seconds": round(time.perf_counter() - t0, 1),
                **{k: v for k, v in r.to_dict().items() if k != "per_context"}}
