@@ -12,7 +12,9 @@
    Bound per output (float32 output): |got - ref| <= (K + 2) * 2^-24 * A + tiny, with
    A = sum_k |x_k| |w_k| (float32 summation in any order: K roundings of partial sums
    bounded by A; scale-after and z * sum(x) add two more), plus one output rounding
-   (2^-8 for bf16 outputs). Exit status 0 = all passed; failures are printed. */
+   (2^-8 for bf16 outputs). The 4-bit grouped cases also run head_q4a8 (int8 activations,
+   eq_q4a8.h) against the same dot over the activations as round_activations() rounds them.
+   Exit status 0 = all passed; failures are printed. */
 
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +24,19 @@
 
 int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
              int64_t g, const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
+int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
+              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
+
+/* int8 activations (the opt-in, eq_q4a8.h), written independently: per row and block of 32,
+   d = amax / 127, q = rint(x * (127 / amax)) (round half to even), into x itself as q * d */
+static void round_activations(float* x, int64_t n) {
+    for (int64_t b = 0; b < n; b += 32) {
+        float amax = 0.0f, id, v;
+        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[b + k]));
+        id = amax > 0 ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < 32; k++) { v = x[b + k] * id; x[b + k] = rintf(v) * (amax / 127.0f); }
+    }
+}
 
 static uint64_t rng = 88172645463325252ull;
 static uint32_t rnd(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (uint32_t)rng; }
@@ -45,7 +60,7 @@ static float ref_weight(const int32_t* packed, int64_t wpr, int bits, int64_t r,
     return ((float)q - z) * sc[r * G + gi];
 }
 
-static int check(int bits, int64_t g0, int asym, int skind, int64_t V, int64_t K, int64_t M, int okind) {
+static int check(int bits, int64_t g0, int asym, int skind, int64_t V, int64_t K, int64_t M, int okind, int a8) {
     const int64_t g = g0 ? g0 : K, G = K / g, pf = 32 / bits, wpr = K / pf, NB = (V + 15) / 16, KP = K / 2;
     int32_t* packed = calloc(V * wpr, 4);
     float* sc = malloc(sizeof(float) * V * G);
@@ -88,7 +103,9 @@ static int check(int bits, int64_t g0, int asym, int skind, int64_t V, int64_t K
         }
     for (int64_t i = 0; i < M * K; i++) x[i] = frand();
     const void* sp = skind == 0 ? (const void*)s32 : (const void*)s16;
-    if (head_f32(w, sp, skind, zb, bits, V, K, g, x, M, out, okind, V, 2)) { printf("kernel error\n"); return 1; }
+    if (a8 ? head_q4a8(w, sp, skind, zb, V, K, g, x, M, out, okind, V, 2)
+           : head_f32(w, sp, skind, zb, bits, V, K, g, x, M, out, okind, V, 2)) { printf("kernel error\n"); return 1; }
+    if (a8) round_activations(x, M * K);  /* the reference multiplies what the kernel rounded */
     for (int64_t m = 0; m < M; m++)
         for (int64_t r = 0; r < V; r++) {
             double ref = 0, a = 0;
@@ -101,8 +118,8 @@ static int check(int bits, int64_t g0, int asym, int skind, int64_t V, int64_t K
             double got = okind == 0 ? ((float*)out)[m * V + r] : from_bf16(((uint16_t*)out)[m * V + r]);
             double bound = (K + 2) * ldexp(1.0, -24) * a + (okind ? ldexp(1.0, -8) * fabs(ref) * 1.01 : 0) + 1e-30;
             if (fabs(got - ref) > bound) {
-                if (bad < 3) printf("FAIL bits=%d g=%lld asym=%d skind=%d V=%lld K=%lld M=%lld okind=%d m=%lld r=%lld got=%g ref=%g bound=%g\n",
-                                    bits, (long long)g0, asym, skind, (long long)V, (long long)K, (long long)M, okind,
+                if (bad < 3) printf("FAIL a8=%d bits=%d g=%lld asym=%d skind=%d V=%lld K=%lld M=%lld okind=%d m=%lld r=%lld got=%g ref=%g bound=%g\n",
+                                    a8, bits, (long long)g0, asym, skind, (long long)V, (long long)K, (long long)M, okind,
                                     (long long)m, (long long)r, got, ref, bound);
                 bad++;
             }
@@ -121,8 +138,9 @@ int main(void) {
                 for (int mi = 0; mi < 5; mi++) {
                     int64_t g = groups[gi], K = g ? 3 * g : 200, V = 16 * 9 + 5;  /* 3 groups; odd vocab */
                     int skind = (int)((gi + asym + mi) % 3), okind = mi % 2;
-                    fails += check(bits, g, asym, skind, V, K, ms[mi], okind);
+                    fails += check(bits, g, asym, skind, V, K, ms[mi], okind, 0);
                     n++;
+                    if (bits == 4 && g) { fails += check(bits, g, asym, skind, V, K, ms[mi], okind, 1); n++; }
                 }
     printf("%d of %d cases failed\n", fails, n);
     return fails != 0;
