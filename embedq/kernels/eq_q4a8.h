@@ -160,34 +160,44 @@ static void* a8_run(void* arg) {
     return NULL;
 }
 
-/* logits[M, V] = int8(x)[M, K] @ dequant(W)^T for a 4-bit table with groups of 32k columns.
-   0 on success; 2 bad shape; 3 a value of x is not finite (the caller takes the exact kernel). */
+/* logits[M, V] = int8(x)[M, K] @ dequant(W)^T for a 4-bit table with groups of 32k columns,
+   A8MC activation rows at a time (the rounded rows take 9 bytes per value: a bounded buffer
+   however long the prefill). 0 on success; 2 bad shape; 3 a value of x is not finite (the
+   caller takes the exact kernel). */
+enum { A8MC = 256 };
+
 int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
               const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
-    const int64_t NB = (V + RB - 1) / RB, KB = K / A8B, G = K / g;
+    const int64_t NB = (V + RB - 1) / RB, KB = K / A8B, G = K / g, MC = M < A8MC ? M : A8MC;
+    const size_t osz = okind == 0 ? 4 : 2;
     if (g % A8B || K % g) return 2;
-    int8_t* q = malloc((size_t)M * K);
-    int8_t* xr = malloc((size_t)M * K * 8);
-    float* d = malloc(sizeof(float) * M * KB);
-    int32_t* corr = malloc(sizeof(int32_t) * M * KB);
-    float* xs = z ? malloc(sizeof(float) * M * G) : NULL;
+    for (int64_t m = 0; m < M * K; m++)  /* all rows checked before any output is written */
+        if (!(x[m] <= 3.4028234663852886e38f && x[m] >= -3.4028234663852886e38f)) return 3;
+    int8_t* q = malloc((size_t)MC * K);
+    int8_t* xr = malloc((size_t)MC * K * 8);
+    float* d = malloc(sizeof(float) * MC * KB);
+    int32_t* corr = malloc(sizeof(int32_t) * MC * KB);
+    float* xs = z ? malloc(sizeof(float) * MC * G) : NULL;
     int rc = 1;
     if (!q || !xr || !d || !corr || (z && !xs)) goto done;
-    rc = 3;
-    for (int64_t m = 0; m < M; m++)
-        if (a8_quantize(x + m * K, K, g, q + m * K, xr + m * K * 8, d + m * KB, corr + m * KB, xs ? xs + m * G : NULL))
-            goto done;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
-    a8job_t jobs[EQ_MAX_THREADS];
-    for (int t = 0; t < nthreads; t++) {
-        job_t jj = {w, s, z, x, NULL, out, ldo, M, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, 4, skind,
-                    okind, NULL};
-        a8job_t a = {jj, xr, d, corr, xs, q};
-        jobs[t] = a;
+    rc = 0;
+    for (int64_t m0 = 0; m0 < M && !rc; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        for (int64_t m = 0; m < mc; m++)
+            a8_quantize(x + (m0 + m) * K, K, g, q + m * K, xr + m * K * 8, d + m * KB, corr + m * KB,
+                        xs ? xs + m * G : NULL);
+        a8job_t jobs[EQ_MAX_THREADS];
+        for (int t = 0; t < nthreads; t++) {
+            job_t jj = {w, s, z, NULL, NULL, (char*)out + (size_t)(m0 * ldo) * osz, ldo, mc, K, G, g, V,
+                        NB * t / nthreads, NB * (t + 1) / nthreads, 4, skind, okind, NULL};
+            a8job_t a = {jj, xr, d, corr, xs, q};
+            jobs[t] = a;
+        }
+        rc = eq_fanout(a8_run, jobs, sizeof(a8job_t), nthreads);
     }
-    rc = eq_fanout(a8_run, jobs, sizeof(a8job_t), nthreads);
 done:
     free(q); free(xr); free(d); free(corr); free(xs);
     return rc;
