@@ -114,7 +114,10 @@ PINS: dict[str, str] = {
 
 # mse/gptq per torch capability (``ATEN_CPU_CAPABILITY``), with the MKL branch held to match.
 # default and avx2 recorded on an AMD EPYC (Zen 3, AVX2): identical to each other (8 lanes
-# both) and to the single-capability pins recorded before; avx512 is not recorded yet.
+# both) and to the single-capability pins recorded before. avx512 recorded 2026-12-04 on an
+# AMD EPYC with AVX-512 (Zen 4 class: avx512f/bw/vl/dq, avx512_bf16): identical to avx2's on
+# these inputs (the 16-lane sums happened to round alike); kept per capability because MKL's
+# AVX512 branch on an Intel CPU is not the one an AMD CPU runs.
 CAPABILITIES = {  # capability -> (CPU flags it needs, MKL_CBWR branch)
     "default": (set(), "COMPATIBLE"),
     "avx2": ({"avx2", "fma"}, "AVX2"),
@@ -128,7 +131,9 @@ _AVX2_PINS = {
         'bits=4-group_size=32-symmetric=True-method=gptq': 'afeed6946a796c5b7f59effe80bba446',
         'bits=4-group_size=32-symmetric=False-method=gptq': 'e5294ba2449f19491c49616e69c9abe8',
 }
-FLOAT_PINS: dict[str, dict[str, str]] = {"default": dict(_AVX2_PINS), "avx2": dict(_AVX2_PINS)}
+FLOAT_PINS: dict[str, dict[str, str]] = {
+    "default": dict(_AVX2_PINS), "avx2": dict(_AVX2_PINS), "avx512": dict(_AVX2_PINS),
+}
 
 
 def _pristine(root: Path) -> dict[str, Path]:
