@@ -89,7 +89,8 @@ def _render_eval_result(d: dict) -> str:
     mods = d.get("modules") or {}
     rows = [
         ("modules", ", ".join(f"`{m}`: {sc}" for m, sc in mods.items())
-         + (" (head kept float)" if d.get("float_head") else "")),
+         + (" (head kept float)" if d.get("float_head") else "")
+         + (" (head with int8 activations: EMBEDQ_ACTIVATIONS=int8)" if d.get("activations") == "int8" else "")),
         ("setup", f"{d['contexts']} contexts x {d['length']} tokens"
          + (" (BOS first)" if d.get("bos", True) else "")
          + (f", {d['tokens']:,} scored" if isinstance(d.get("tokens"), int) else "")

@@ -263,6 +263,7 @@ EVAL_RESULT = {  # the fields of embedq.quality.evaluate.EvalResult.to_dict()
     "delta_ppl": 0.1, "delta_ppl_ci95": [0.05, 0.15],
     "per_context": [{"kld": 0.006}] * 12, "seconds": 40.0, "bos": True,
     "floor_kld": 0.0007, "floor_kld_ci95": [0.00065, 0.00075], "floor_same_top1": 98.4,
+    "activations": "exact",
 }
 
 
@@ -279,6 +280,14 @@ def test_embedq_eval_result_rendered(derive):
     text = (out / "README.md").read_text()
     _check_eval_rendering(text)
     assert read_stored(text)["eval"]["path"] == "qwen-q"
+
+
+def test_int8_activation_eval_says_so_on_the_card(derive):
+    """A KLD measured with the int8-activation opt-in is published as such, never as exact."""
+    _, out, _ = derive("qwen2_tied", eval_results=dict(EVAL_RESULT, activations="int8"))
+    assert "(head with int8 activations: EMBEDQ_ACTIVATIONS=int8)" in (out / "README.md").read_text()
+    _, out, _ = derive("qwen2_tied", name="exact", eval_results=EVAL_RESULT)
+    assert "int8 activations" not in (out / "README.md").read_text()
 
 
 def test_eval_result_object_rendered(derive):
