@@ -66,6 +66,16 @@ ROUTES: tuple[Route, ...] = (
       for isa in ("avx512f", "avx2", "portable")),
     Route(Triton, "cuda", (4, 8), "any", (BF16, F16, F32), None, "triton", Triton.logits,
           "Triton over the stored pack-quantized layout (codes unpacked per tile, tl.dot, scales after)"),
+    # bf16 activations at M <= 2 (int8) / M = 1 (4-bit): the AVX-512F kernel (codes -> float32
+    # in registers, FMA) reads the table at memory speed where vdpbf16ps' decode costs more
+    # (AMD EPYC, AVX512-BF16, Gemma head: int8 M = 1 5.0-5.9 vs 6.8-10.0 ms, M = 2 5.4 vs 7.1;
+    # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md)
+    Route(Native, "cpu", (8,), "any", (BF16,), 2, "native_avx512f", Native.head_f32(_F32["avx512f"]),
+          "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
+          _F32["avx512f"], "avx512f"),
+    Route(Native, "cpu", (4,), "any", (BF16,), 1, "native_avx512f", Native.head_f32(_F32["avx512f"]),
+          "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
+          _F32["avx512f"], "avx512f"),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
           native_head.LIB, "avx512_bf16"),

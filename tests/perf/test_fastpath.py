@@ -85,11 +85,13 @@ def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: t
 
 
 def _xs(cols: int, seed: int = 1, full: bool = True):
-    """Activations: M in {1, 3, 8, 17, 64} (every tile remainder of the native kernel), a
-    3-D batch and a vector; ``full=False``: M in {1, 3, 64} (torch's fallback ops)."""
+    """Activations: M in {1, 2, 3, 8, 17, 64, 256} (every tile remainder and small-M switch of
+    the native kernels), a 3-D batch and a vector; ``full=False``: M in {1, 3, 64} (torch's
+    fallback ops)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = ((1, cols), (3, cols), (8, cols), (17, cols), (64, cols), (2, 5, cols), (cols,))
-    for shape in shapes if full else (shapes[0], shapes[1], shapes[4], shapes[5], shapes[6]):
+    shapes = ((1, cols), (3, cols), (8, cols), (17, cols), (64, cols), (2, 5, cols), (cols,), (2, cols),
+              (256, cols))
+    for shape in shapes if full else shapes[:2] + shapes[4:7]:
         x = torch.randn(*shape, generator=gen)
         for dt in (BF, F16, F32):
             yield x.to(dt)
@@ -103,13 +105,15 @@ def torch_layouts(monkeypatch):
 
 NATIVE = native_head.unavailable() is None  # the AVX512-BF16 kernel
 # The native layout runs wherever one of its C variants does (AVX512-BF16, AVX2, portable);
-# each act dtype then has the first variant of dispatch.rows_for("native") that takes it.
+# each act dtype and M then has the first variant of dispatch.rows_for("native") that takes it
+# (bf16 at small M: the AVX-512F rows before the AVX512-BF16 one).
 NATIVE_LAYOUT = dispatch.layout_unavailable("native") is None
 
 
-def _native_kernel(dt) -> str:
-    """The native variant this CPU serves activations of ``dt`` with (no silent fallback)."""
-    return next(r.kernel for r in dispatch.rows_for("native") if dt in r.acts)
+def _native_kernel(dt, bits: int, m: int) -> str:
+    """The native variant this CPU serves ``m`` activation rows of ``dt`` with (no silent fallback)."""
+    return next(r.kernel for r in dispatch.rows_for("native") if dt in r.acts and bits in r.bits
+                and (r.m_max is None or m <= r.m_max))
 
 
 @pytest.mark.parametrize("serve", ["native", "torch"])
@@ -136,7 +140,8 @@ def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch
     for x in _xs(qt.cols, full=serve == "native"):
         _check_linear(p, qt, x, wabs)
         if serve == "native":  # the variant this CPU has ran, not the chunked reference
-            assert p.last_kernel == _native_kernel(x.dtype), (p.last_kernel, x.dtype)
+            m = x.reshape(-1, qt.cols).shape[0]
+            assert p.last_kernel == _native_kernel(x.dtype, bits, m), (p.last_kernel, x.dtype, m)
     ids = torch.tensor([[0, 1, qt.rows - 1], [63, 64, 5]])
     for dt in (BF, F16, F32):
         got = p.embedding(ids, dt)
