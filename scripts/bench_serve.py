@@ -183,6 +183,10 @@ def ort_head(qt: QuantizedTable, accuracy: int):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
+    # ORT's pool spins after each run by default: interleaved with the other paths, its
+    # spinning threads took the cores from the next path timed (bf16 F.linear at M = 1 took
+    # 66 ms beside it, 25 ms without it, on an AMD EPYC, 2 cores)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # an ORT without this bits/block combination
