@@ -60,6 +60,10 @@ class Route:
 _F32 = native_f32.VARIANTS
 _A8 = "4-bit codes x int8 activations (blocks of 32), vpmaddubsw; opt-in EMBEDQ_ACTIVATIONS=int8, not exact"
 ROUTES: tuple[Route, ...] = (
+    Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, "native_avx512vnni_a8",
+          Native.head_a8(native_f32.A8_VARIANTS["avx512vnni"]),
+          _A8.replace("vpmaddubsw", "vpdpbusd (AVX512-VNNI), 16 rows x 4 columns per instruction"),
+          native_f32.A8_VARIANTS["avx512vnni"], "avx512vnni", "int8", Native.fits_a8),
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(_F32[isa]),
             _A8 if isa != "portable" else _A8.replace("vpmaddubsw", "portable C"), _F32[isa], isa, "int8",
             Native.fits_a8)

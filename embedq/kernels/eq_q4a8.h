@@ -1,7 +1,8 @@
 /* 4-bit codes x int8 activations: the opt-in of EMBEDQ_ACTIVATIONS=int8 (not exact).
 
    Part of native_f32.c (included after its AVX2 section: uses job_t, RB, scale_at, and with
-   AVX2 scales16, group_out, store_row).
+   AVX2 scales16, group_out, store_row). Three bodies: AVX512-VNNI (vpdpbusd, the avx512vnni
+   build), AVX2 (vpmaddubsw; also the avx512f build) and portable C.
 
    Why: the exact 4-bit kernels spend ~18 vector instructions per 64 codes at M == 1 and are
    bound by them, not by memory (docs/performance.md). With the activations as int8, a column
@@ -113,17 +114,95 @@ static inline __attribute__((always_inline)) void a8_block(const a8job_t* A, con
 }
 #endif
 
+#if EQ_VNNI
+/* AVX512-VNNI: a quad of columns (4c .. 4c+3) of 16 rows per vpdpbusd, summed into int32.
+   Pairs 2c and 2c+1 of the block (32 bytes: row r's byte in each) -> words r = X_r, 16 + r =
+   Y_r (vpmovzxbw) -> dword r = X_r | Y_r << 16 (vpermw) -> bytes (X_r & 15, X_r >> 4,
+   Y_r & 15, Y_r >> 4) = columns 4c .. 4c+3 in order (v | v << 4, & 0x0f), so each activation
+   row's quad is 4 consecutive int8 of q, broadcast as one int32. */
+enum { A8MV = 8 };
+
+static inline __attribute__((always_inline)) void a8_block_vnni(const a8job_t* A, const int nm, int64_t nb,
+                                                                int64_t m0, float* o) {
+    const job_t* j = &A->j;
+    const int64_t K = j->K, KB = K / A8B, G = j->G, BPG = j->g / A8B;
+    const uint8_t* wb = j->w + nb * (K / 2) * 16;
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 out[A8MV];
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m512 t[A8MV];
+        for (int i = 0; i < nm; i++) t[i] = _mm512_setzero_ps();
+        for (int64_t kb = gi * BPG; kb < (gi + 1) * BPG; kb++) {
+            __m512i acc[A8MV];
+            for (int i = 0; i < nm; i++) acc[i] = _mm512_setzero_si512();
+            const uint8_t* b0 = wb + kb * 256;
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_permutexvar_epi16(
+                    idx, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b0 + c * 32))));
+                /* (v | v << 4) & 0x0f per byte: 0xA8 = (a | b) & c */
+                const __m512i u = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), m4, 0xA8);
+                for (int i = 0; i < nm; i++) {
+                    int32_t xq;
+                    memcpy(&xq, A->q + (m0 + i) * K + kb * A8B + c * 4, 4);
+                    acc[i] = _mm512_dpbusd_epi32(acc[i], u, _mm512_set1_epi32(xq));
+                }
+            }
+            for (int i = 0; i < nm; i++) {
+                const int64_t mb = (m0 + i) * KB + kb;
+                const __m512i r = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(A->corr[mb]));
+                t[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(A->d[mb]), t[i]);
+            }
+        }
+        const int64_t si = (nb * G + gi) * RB;
+        __m512 sv;
+        if (j->skind == 0) sv = _mm512_loadu_ps((const float*)j->s + si);
+        else {
+            const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)j->s + si));
+            sv = j->skind == 2 ? _mm512_cvtph_ps(h)
+                               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        for (int i = 0; i < nm; i++) {
+            __m512 ti = t[i];
+            if (j->z) {
+                const __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + si))));
+                ti = _mm512_fnmadd_ps(zv, _mm512_set1_ps(A->xs[(m0 + i) * G + gi]), ti);
+            }
+            out[i] = gi == 0 ? _mm512_mul_ps(ti, sv) : _mm512_fmadd_ps(ti, sv, out[i]);
+        }
+    }
+    for (int i = 0; i < nm; i++) _mm512_storeu_ps(o + i * RB, out[i]);
+}
+#endif
+
 static void* a8_run(void* arg) {
     const a8job_t* A = (const a8job_t*)arg;
     const job_t* j = &A->j;
     const int64_t K = j->K, G = j->G, KB = K / A8B, BPG = j->g / A8B;
-    float o[A8MR * RB];
+#if EQ_VNNI
+    enum { MR8 = A8MV };
+#else
+    enum { MR8 = A8MR };
+#endif
+    float o[MR8 * RB];
     for (int64_t nb = j->nb0; nb < j->nb1; nb++) {
         const int64_t r0 = nb * RB;
         const int nr = j->V - r0 < RB ? (int)(j->V - r0) : RB;
-        for (int64_t m0 = 0; m0 < j->M; m0 += A8MR) {
-            const int nm = j->M - m0 < A8MR ? (int)(j->M - m0) : A8MR;
-#if EQ_AVX2
+        for (int64_t m0 = 0; m0 < j->M; m0 += MR8) {
+            const int nm = j->M - m0 < MR8 ? (int)(j->M - m0) : MR8;
+#if EQ_VNNI
+            switch (nm) {
+                case 1: a8_block_vnni(A, 1, nb, m0, o); break;
+                case 2: a8_block_vnni(A, 2, nb, m0, o); break;
+                case 3: a8_block_vnni(A, 3, nb, m0, o); break;
+                case 4: a8_block_vnni(A, 4, nb, m0, o); break;
+                case 5: a8_block_vnni(A, 5, nb, m0, o); break;
+                case 6: a8_block_vnni(A, 6, nb, m0, o); break;
+                case 7: a8_block_vnni(A, 7, nb, m0, o); break;
+                default: a8_block_vnni(A, 8, nb, m0, o); break;
+            }
+#elif EQ_AVX2
             switch (nm) {
                 case 1: a8_block(A, 1, nb, m0, o); break;
                 case 2: a8_block(A, 2, nb, m0, o); break;

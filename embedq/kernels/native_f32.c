@@ -57,6 +57,11 @@
 #else
 #define EQ_AVX512 0
 #endif
+#if EQ_AVX512 && defined(__AVX512VNNI__) && !defined(EQ_SIMDE)  /* the avx512vnni build: vpdpbusd */
+#define EQ_VNNI 1
+#else
+#define EQ_VNNI 0
+#endif
 
 enum { RB = 16, SB = 4, KC = 256, MR = 6 };
 

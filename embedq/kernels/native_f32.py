@@ -60,6 +60,16 @@ VARIANTS: dict[str, LazyLibrary] = {
 
 
 
+# Builds that serve only the int8-activation rows (eq_q4a8.h): the same source with VNNI.
+A8_VARIANTS: dict[str, LazyLibrary] = {
+    "avx512vnni": LazyLibrary("head_avx512vnni", _source,
+                              [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", *AVX2_FLAGS],
+                              needs=("avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"),
+                              machines=("x86_64", "amd64"), setup=_setup, label="native head (AVX-512 VNNI)",
+                              openmp=True),
+}
+
+
 def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
          x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32), by the
@@ -98,4 +108,4 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     return out
 
 
-__all__ = ["SOURCE", "VARIANTS", "head", "head_a8"]
+__all__ = ["A8_VARIANTS", "SOURCE", "VARIANTS", "head", "head_a8"]

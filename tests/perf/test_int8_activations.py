@@ -16,13 +16,15 @@ import itertools
 import pytest
 import torch
 
-from embedq.kernels import PreparedTable, actquant, dispatch
+from embedq.kernels import PreparedTable, actquant, dispatch, native_f32
 from embedq.kernels.layouts import Native
 from tests.perf.test_cpu_variants import SELECT, _table
 from tests.perf.test_fastpath import U, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 A8 = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and r.act == "int8"}
+# the exact variants' feature sets, and those of the builds that serve only these rows
+SELECT = {**SELECT, **{isa: ",".join(lib.needs) for isa, lib in native_f32.A8_VARIANTS.items()}}
 # (group, sym, rows, cols): vocab never a multiple of 16, odd group counts
 SCHEMES = [(32, True, 1001, 96), (32, False, 777, 160), (64, True, 531, 192), (64, False, 531, 192),
            (128, True, 300, 384), (128, False, 300, 384)]
