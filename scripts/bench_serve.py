@@ -6,12 +6,14 @@ tied table (262144 x 640) and real final hidden states (``--table synthetic`` fo
 shapes), one forward of the head (logits = x @ W^T) per call at M = ``--batches`` rows;
 every path is timed interleaved in the same loop (round-robin, starting path rotated
 each round) so that load from other processes hits all paths alike. Printed: the CPU
-model and ISA level, the kernel variant each table got, medians, ratios to the FASTER
-of the two float baselines at that M, and the load average.
+model and ISA level, the kernel variant each table got, medians, ratios to the FASTEST
+of the float baselines at that M, and the load average.
 
 Paths:
   bf16, f32   F.linear with a bf16 / a float32 table (baselines: bf16 is emulated, hence
               slow, on CPUs without AVX512-BF16)
+  bf16pk      bf16 through oneDNN with the weight reordered once (a baseline: vLLM's CPU
+              backend's float head; faster than F.linear at small M)
   S@A         embedq.kernels.PreparedTable.linear for scheme S (``--schemes``: int8 = per
               row, int8g64, q4g32, ...; suffix a = asymmetric; +a8 = prepared under
               EMBEDQ_ACTIVATIONS=int8, e.g. q4g32+a8) with activations A (``--acts``)
@@ -194,6 +196,25 @@ def ort_head(qt: QuantizedTable, accuracy: int):
     return (lambda x: sess.run(None, {"x": x.numpy()})[0]), None
 
 
+# The float baselines: the head's "best float path" is the fastest of these at each M.
+FLOATS = {"bf16": "bf16 F.linear", "f32": "f32 F.linear",
+          "bf16pk": "bf16 oneDNN prepacked linear (vLLM CPU's float head)"}
+
+
+def prepacked_linear(w: torch.Tensor):
+    """bf16 ``x @ w^T`` through oneDNN with the weight reordered once (what vLLM's CPU
+    backend runs for a float head, and Inductor after freezing): faster than ``F.linear``
+    at small M (no per-call weight packing; on an AMD EPYC with AVX512-BF16, Gemma head:
+    17.7 vs 28.2 ms at M = 1, 19.7 vs 43.3 at M = 16). None where torch lacks the ops."""
+    try:
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        f = lambda x: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [None], "")  # noqa: E731
+        f(torch.zeros(1, w.shape[1], dtype=torch.bfloat16))
+        return f
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def torch_int8pack_head(qt: QuantizedTable):
     """torch's weight-only int8 op (``_weight_int8pack_mm``, bf16 activations) over the
     same codes: int8 per-row tables only (it takes one scale per row)."""
@@ -273,6 +294,9 @@ def bench_head(args) -> list[dict]:
         w32 = w.float()
         fns = {"bf16": ("bf16", lambda x, w=w: F.linear(x, w)),
                "f32": ("f32", lambda x, w=w32: F.linear(x, w))}
+        pk = prepacked_linear(w)
+        if pk is not None:  # the float path of vLLM's CPU backend (and of Inductor-frozen graphs)
+            fns["bf16pk"] = ("bf16", pk)
         for sname in args.schemes:
             qt = quantize_table(w, parse_scheme(sname))
             with activations(sname):
@@ -304,14 +328,14 @@ def bench_head(args) -> list[dict]:
             times = timed_rounds({k: (lambda _x, f=f, a=a: f(xs[a])) for k, (a, f) in fns.items()},
                                  None, args.n, args.n_ref, slow)
             med = {k: statistics.median(ts) for k, ts in times.items()}
-            best = min((b for b in ("bf16", "f32") if b in med), key=med.get)
+            best = min((b for b in FLOATS if b in med), key=med.get)
             base = med[best]
-            print(f"-- batch {m}: median of {args.n}; baseline = {best} F.linear "
-                  f"({', '.join(f'{b} {med[b] * 1e3:.1f} ms' for b in ('bf16', 'f32') if b in med)}); "
+            print(f"-- batch {m}: median of {args.n}; baseline = {FLOATS[best]} "
+                  f"({', '.join(f'{b} {med[b] * 1e3:.1f} ms' for b in FLOATS if b in med)}); "
                   f"load avg {la0} -> {load()}")
             # bf16 F.linear emulated (no AVX512-BF16): once 2x slower than f32 it only grows
             # with M; dropped for larger M (it can no longer be the faster baseline)
-            drop = "bf16" in med and med["bf16"] > 2 * med["f32"] and not args.keep_bf16
+            drop = [b for b in ("bf16", "bf16pk") if b in med and med[b] > 2 * med["f32"] and not args.keep_bf16]
             for k, ts in times.items():
                 # embedq ÷ each peer over the same table (its best activation dtype)
                 mine = [med[f"{k.split('-')[0]}@{a}"] for a in args.acts if f"{k.split('-')[0]}@{a}" in med]
@@ -322,9 +346,9 @@ def bench_head(args) -> list[dict]:
                                     path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
                                     baseline=best, cpu=cpu_model(), n=len(ts),
                                     loadavg_before=la0, loadavg_after=load()))
-            if drop:
-                print("   (bf16 F.linear > 2x f32 F.linear: not timed at larger M; --keep-bf16 times it)")
-                fns.pop("bf16")
+            for b in drop:
+                print(f"   ({FLOATS[b]} > 2x f32 F.linear: not timed at larger M; --keep-bf16 times it)")
+                fns.pop(b)
         del w, w32, fns
         gc.collect()
     return results
