@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import cpu_model, load, parse_scheme, quantize_table, synthetic_table  # noqa: E402
+from bench_serve import cpu_model, load, parse_scheme, quantize_table, synthetic_table, timed_rounds  # noqa: E402
 
 from embedq.kernels import dispatch  # noqa: E402
 from embedq.kernels.prepared import PreparedTable  # noqa: E402
@@ -61,16 +60,7 @@ def main(argv=None) -> int:
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {a.rows} x {a.cols}, load avg {load()}")
     for m in a.batches:
         xs = {dt: hidden[:m].to(dt).contiguous() for dt in (torch.bfloat16, torch.float32)}
-        names = list(fns)
-        ts = {k: [] for k in names}
-        for k in names:
-            fns[k][1](xs[fns[k][0]])
-        for i in range(a.n):
-            for k in names[i % len(names):] + names[:i % len(names)]:
-                dt, f = fns[k]
-                t = time.perf_counter()
-                f(xs[dt])
-                ts[k].append(time.perf_counter() - t)
+        ts = timed_rounds({k: (lambda _x, f=f, dt=dt: f(xs[dt])) for k, (dt, f) in fns.items()}, None, a.n, a.n, set())
         med = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
         best = min(med["bf16"], med["f32"])
         print(f"-- M = {m}: median of {a.n} (ms, ÷ best float), load avg {load()}")

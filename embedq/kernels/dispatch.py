@@ -58,32 +58,31 @@ class Route:
 
 
 _F32 = native_f32.VARIANTS
-_A8 = "4-bit codes x int8 activations (blocks of 32), vpmaddubsw; opt-in EMBEDQ_ACTIVATIONS=int8, not exact"
+_A8 = "4-bit codes x int8 activations (blocks of 32), {}; opt-in EMBEDQ_ACTIVATIONS=int8, not exact"
+# the int8-activation builds, first match first: (ISA, its library, the instruction the rows name)
+_A8_BUILDS = (("avx512vnni", native_f32.A8_VARIANTS["avx512vnni"],
+               "vpdpbusd (AVX512-VNNI), 16 rows x 4 columns per instruction"),
+              ("avx512f", _F32["avx512f"], "vpmaddubsw"), ("avx2", _F32["avx2"], "vpmaddubsw"),
+              ("portable", _F32["portable"], "portable C"))
+_AVX512F_HEAD = Native.head_f32(_F32["avx512f"])
 ROUTES: tuple[Route, ...] = (
-    Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, "native_avx512vnni_a8",
-          Native.head_a8(native_f32.A8_VARIANTS["avx512vnni"]),
-          _A8.replace("vpmaddubsw", "vpdpbusd (AVX512-VNNI), 16 rows x 4 columns per instruction"),
-          native_f32.A8_VARIANTS["avx512vnni"], "avx512vnni", "int8", Native.fits_a8),
-    *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(_F32[isa]),
-            _A8 if isa != "portable" else _A8.replace("vpmaddubsw", "portable C"), _F32[isa], isa, "int8",
-            Native.fits_a8)
-      for isa in ("avx512f", "avx2", "portable")),
+    *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
+            _A8.format(how), lib, isa, "int8", Native.fits_a8)
+      for isa, lib, how in _A8_BUILDS),
     Route(Triton, "cuda", (4, 8), "any", (BF16, F16, F32), None, "triton", Triton.logits,
           "Triton over the stored pack-quantized layout (codes unpacked per tile, tl.dot, scales after)"),
     # bf16 activations at M <= 2 (int8) / M = 1 (4-bit): the AVX-512F kernel (codes -> float32
     # in registers, FMA) reads the table at memory speed where vdpbf16ps' decode costs more
     # (AMD EPYC, AVX512-BF16, Gemma head: int8 M = 1 5.0-5.9 vs 6.8-10.0 ms, M = 2 5.4 vs 7.1;
     # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md)
-    Route(Native, "cpu", (8,), "any", (BF16,), 2, "native_avx512f", Native.head_f32(_F32["avx512f"]),
-          "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
-          _F32["avx512f"], "avx512f"),
-    Route(Native, "cpu", (4,), "any", (BF16,), 1, "native_avx512f", Native.head_f32(_F32["avx512f"]),
-          "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
-          _F32["avx512f"], "avx512f"),
+    *(Route(Native, "cpu", bits, "any", (BF16,), m_max, "native_avx512f", _AVX512F_HEAD,
+            "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
+            _F32["avx512f"], "avx512f")
+      for bits, m_max in (((8,), 2), ((4,), 1))),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
           native_head.LIB, "avx512_bf16"),
-    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx512f", Native.head_f32(_F32["avx512f"]),
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx512f", _AVX512F_HEAD,
           "embedq's C kernel (AVX-512F): the AVX2 kernel 16 wide (zmm FMA), bit-identical to it",
           _F32["avx512f"], "avx512f"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2", Native.head_f32(_F32["avx2"]),
