@@ -65,6 +65,14 @@ _A8_BUILDS = (("avx512vnni", native_f32.A8_VARIANTS["avx512vnni"],
               ("avx512f", _F32["avx512f"], "vpmaddubsw"), ("avx2", _F32["avx2"], "vpmaddubsw"),
               ("portable", _F32["portable"], "portable C"))
 _AVX512F_HEAD = Native.head_f32(_F32["avx512f"])
+
+
+def _small_m(bits: tuple[int, ...], m_max: int) -> "Route":
+    return Route(Native, "cpu", bits, "any", (BF16,), m_max, "native_avx512f", _AVX512F_HEAD,
+                 "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
+                 _F32["avx512f"], "avx512f")
+
+
 ROUTES: tuple[Route, ...] = (
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
             _A8.format(how), lib, isa, "int8", Native.fits_a8)
@@ -74,11 +82,14 @@ ROUTES: tuple[Route, ...] = (
     # bf16 activations at M <= 2 (int8) / M = 1 (4-bit): the AVX-512F kernel (codes -> float32
     # in registers, FMA) reads the table at memory speed where vdpbf16ps' decode costs more
     # (AMD EPYC, AVX512-BF16, Gemma head: int8 M = 1 5.0-5.9 vs 6.8-10.0 ms, M = 2 5.4 vs 7.1;
-    # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md)
-    *(Route(Native, "cpu", bits, "any", (BF16,), m_max, "native_avx512f", _AVX512F_HEAD,
-            "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
-            _F32["avx512f"], "avx512f")
-      for bits, m_max in (((8,), 2), ((4,), 1))),
+    # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md). With AMX the tile
+    # kernel is faster for int8 from M = 1 (Xeon with AMX, Gemma head: 10.5 vs 12.7 ms), for
+    # 4-bit from M = 2 (M = 1: 7.6 vs 5.5 ms): the 4-bit row comes before it, the int8 row after.
+    _small_m((4,), 1),
+    Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_amx", Native.head_amx,
+          "embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), scales after each group (exact)",
+          native_head.AMX_LIB, "amx_bf16", fits=Native.fits_amx),
+    _small_m((8,), 2),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
           native_head.LIB, "avx512_bf16"),

@@ -249,6 +249,14 @@ class Native(Layout):
         sp = self.spec
         return native_head.head(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
 
+    def head_amx(self, x):
+        sp = self.spec
+        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+
+    @staticmethod
+    def fits_amx(spec) -> str | None:
+        return native_head.amx_fits(spec.cols, spec.group)
+
     @staticmethod
     def head_f32(lib):
         """The fp32-FMA kernel of one build of ``native_f32.c`` (``lib``)."""

@@ -2,7 +2,7 @@
 #include <string.h>
 #include <stdlib.h>
 #include "eq_parallel.h"
-#include <immintrin.h>
+#include "eq_bf16dec.h"
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
    int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
@@ -14,32 +14,7 @@ typedef struct {
     uint16_t* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind;
 } job_t;
 
-static inline __m512i dec8(const int8_t* p) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0..15 from lo: pair-interleaved */
-}
-
-static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
-    return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
-}
-
-static inline __m512i dec(const job_t* j, int64_t pair, __m512i tbl) {
-    return j->bits == 8 ? dec8((const int8_t*)j->w + pair * 32) : dec4(j->w + pair * 16, tbl);
-}
-
-static inline __m512 load_scale(const void* s, int kind, int64_t i) {
-    if (kind == 0) return _mm512_loadu_ps((const float*)s + i);
-    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i));
-    if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-
-static inline __m512 load_zero(const int8_t* z, int64_t i) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(z + i))));
-}
+static inline __m512i dec(const job_t* j, int64_t pair, __m512i tbl) { return dec_pair(j->w, j->bits, pair, tbl); }
 
 #define DP(a, w, xv) _mm512_dpbf16_ps(a, (__m512bh)(w), (__m512bh)_mm512_set1_epi32(xv))
 
@@ -115,12 +90,7 @@ static void* run(void* arg) {
     const int64_t M = j->M, KP = j->K / 2;
     /* registers: groups keep 2 x nm accumulators + nm outputs, rows nm accumulators */
     const int mt = j->G > 1 ? 8 : 16;
-    __m512i tbl = _mm512_setzero_si512();
-    if (j->bits == 4) {
-        uint16_t t[32] = {0};
-        for (int n = 0; n < 16; n++) { float f = (float)(n - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
-        tbl = _mm512_loadu_si512(t);
-    }
+    __m512i tbl = j->bits == 4 ? dec4_table() : _mm512_setzero_si512();
     /* More than one tile per block: decode the block once (measured on an AMD EPYC with
        AVX512-BF16, Gemma head: M = 256 1.36x -> 1.05x bf16 F.linear; equal at M = 16-64;
        one tile (M = 8) is faster decoding in registers). NULL (no memory): in registers. */

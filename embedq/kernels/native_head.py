@@ -62,6 +62,26 @@ LIB = LazyLibrary("head", _source, FLAGS, needs=NEEDS, machines=("x86_64", "amd6
                   label="native head (AVX512-BF16)", openmp=True)
 
 
+# The AMX-BF16 build (native_amx.c): the same layout in tile dot products (Sapphire Rapids
+# and later). Its setup asks Linux for tile-data permission; refused -> unavailable, with why.
+AMX_SOURCE = Path(__file__).with_name("native_amx.c")
+AMX_NEEDS = (*NEEDS, "amx_tile", "amx_bf16")
+
+
+def _setup_amx(lib) -> None:
+    P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.head_amx.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, I, Fi]
+    lib.head_amx.restype = Fi
+    lib.amx_init.restype = Fi
+    if lib.amx_init() != 0:
+        raise RuntimeError("Linux refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
+AMX_LIB = LazyLibrary("head_amx", lambda: c_source(AMX_SOURCE), [*FLAGS, "-mamx-tile", "-mamx-bf16"],
+                      needs=AMX_NEEDS, machines=("x86_64", "amd64"), setup=_setup_amx,
+                      label="native head (AMX-BF16)", openmp=True)
+
+
 def unavailable() -> str | None:
     """None when the AVX512-BF16 kernel can run here, else why not (one line)."""
     return LIB.unavailable()
@@ -76,6 +96,11 @@ def supports(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str 
     if scale_dtype not in SCALE_KIND:
         return f"{scale_dtype} scales"
     return None
+
+
+def amx_fits(cols: int, group: int) -> str | None:
+    """Why the AMX kernel cannot serve a table (None: it can): a tile is 32 columns."""
+    return None if cols % 32 == 0 and group % 32 == 0 else f"columns/group ({cols}/{group}) not multiples of 32"
 
 
 def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
@@ -135,4 +160,17 @@ def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) 
     return out
 
 
-__all__ = ["BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]
+def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
+    """:func:`head` in AMX tiles (``cols`` and ``group`` multiples of 32)."""
+    lib = AMX_LIB.get()
+    x = x.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, rows, dtype=torch.bfloat16)
+    rc = lib.head_amx(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
+                      bits, rows, cols, group, x.data_ptr(), M, out.data_ptr(), rows, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"AMX head kernel: no memory for its {M}-row activation tiles")
+    return out
+
+
+__all__ = ["AMX_LIB", "amx_fits", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]

@@ -110,9 +110,10 @@ NATIVE = native_head.unavailable() is None  # the AVX512-BF16 kernel
 NATIVE_LAYOUT = dispatch.layout_unavailable("native") is None
 
 
-def _native_kernel(dt, bits: int, m: int) -> str:
-    """The native variant this CPU serves ``m`` activation rows of ``dt`` with (no silent fallback)."""
-    return next(r.kernel for r in dispatch.rows_for("native") if dt in r.acts and bits in r.bits
+def _native_kernel(dt, spec, m: int) -> str:
+    """The native variant this CPU serves ``m`` activation rows of ``dt`` with for a table of
+    ``spec`` (no silent fallback)."""
+    return next(r.kernel for r in dispatch.rows_for("native", spec) if dt in r.acts
                 and (r.m_max is None or m <= r.m_max))
 
 
@@ -141,7 +142,7 @@ def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch
         _check_linear(p, qt, x, wabs)
         if serve == "native":  # the variant this CPU has ran, not the chunked reference
             m = x.reshape(-1, qt.cols).shape[0]
-            assert p.last_kernel == _native_kernel(x.dtype, bits, m), (p.last_kernel, x.dtype, m)
+            assert p.last_kernel == _native_kernel(x.dtype, p.spec, m), (p.last_kernel, x.dtype, m)
     ids = torch.tensor([[0, 1, qt.rows - 1], [63, 64, 5]])
     for dt in (BF, F16, F32):
         got = p.embedding(ids, dt)
@@ -152,6 +153,38 @@ def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch
     for dt in (BF, F16, F32):  # the block decoder of the chunked logits, incl. its 16-bit shortcut
         assert torch.equal(p.dequantize_range(0, qt.rows, dt), qt.dequantize(dt))
         assert torch.equal(p.dequantize_range(65, 130, dt), qt.dequantize(dt, rows=slice(65, 130)))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, None)])
+def test_amx_large_batch_and_taken_away(bits, group, monkeypatch):
+    """The AMX row at M = 256 (8 pairs of activation tiles, an odd block count per thread),
+    asymmetric; ``EMBEDQ_CPU_FEATURES=-amx_bf16`` takes it away (the next row serves)."""
+    why = native_head.AMX_LIB.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    qt = _table(bits, group, False, 2000, 320)
+    x = torch.randn(256, 320, generator=torch.Generator().manual_seed(5)).to(BF)
+    p = PreparedTable.from_table(qt)
+    _check_linear(p, qt, x, _wabs(qt))
+    assert p.last_kernel == "native_amx"
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", "-amx_bf16,-amx_tile")
+    p = PreparedTable.from_table(qt)
+    _check_linear(p, qt, x[:8], _wabs(qt))
+    assert p.last_kernel == "native_bf16"
+
+
+@pytest.mark.parametrize("bits,sym", [(8, True), (4, False)])
+def test_columns_not_a_whole_amx_tile(bits, sym, monkeypatch):
+    """80 columns (no whole number of 32-column AMX tiles): the next row serves, exactly."""
+    if not NATIVE_LAYOUT:
+        pytest.skip(f"no native variant here: {dispatch.layout_unavailable('native')}")
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", "native")
+    qt = _table(bits, None, sym, 1000, 80)
+    p = PreparedTable.from_table(qt)
+    assert "native_amx" not in {r.kernel for r in p.routes}
+    for x in _xs(qt.cols):
+        _check_linear(p, qt, x, _wabs(qt))
+        assert p.last_kernel == _native_kernel(x.dtype, p.spec, x.reshape(-1, qt.cols).shape[0])
 
 
 @pytest.mark.parametrize("bits,group,sym", [(8, None, False), (8, 32, True), (4, 32, False), (4, None, True)])

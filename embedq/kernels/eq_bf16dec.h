@@ -1,0 +1,46 @@
+/* Codes -> bf16 pairs and scale/zero loads of the native blocked layout (native_head.py),
+   shared by the vdpbf16ps kernel (native_bf16.c) and the AMX kernel (native_amx.c).
+   int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
+   high = 2p+1, offset binary (u = q + 8). Every code is exact in bf16. */
+#ifndef EQ_BF16DEC_H
+#define EQ_BF16DEC_H
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+static inline __m512i dec8(const int8_t* p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0..15 from lo: pair-interleaved */
+}
+
+static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
+}
+
+/* 16 rows x one column pair (pair = block * K/2 + p) as bf16 pairs */
+static inline __m512i dec_pair(const uint8_t* w, int bits, int64_t pair, __m512i tbl) {
+    return bits == 8 ? dec8((const int8_t*)w + pair * 32) : dec4(w + pair * 16, tbl);
+}
+
+/* the 4-bit lookup: nibble n -> bf16(n - 8) */
+static inline __m512i dec4_table(void) {
+    uint16_t t[32] = {0};
+    for (int n = 0; n < 16; n++) { float f = (float)(n - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
+    return _mm512_loadu_si512(t);
+}
+
+static inline __m512 load_scale(const void* s, int kind, int64_t i) {
+    if (kind == 0) return _mm512_loadu_ps((const float*)s + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i));
+    if (kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static inline __m512 load_zero(const int8_t* z, int64_t i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(z + i))));
+}
+
+#endif

@@ -1,0 +1,146 @@
+/* embedq's AMX-BF16 head kernel over the native blocked layout (native_head.py).
+
+   logits[M, V] = x[M, K] (bf16) @ dequant(W)^T, exact like native_bf16.c: every int8 and
+   4-bit code is exact in bf16, TDPBF16PS multiplies exactly and sums in float32, and each
+   group's scale (and z * sum(x) for asymmetric rows) is applied after that group's dot.
+
+   Why AMX: on Sapphire Rapids and later, torch's bf16 F.linear runs on AMX tiles (~1,024
+   bf16 FLOP per cycle per core); vdpbf16ps does 64. With tiles the head is bound by reading
+   the table (int8: half of bf16's bytes, 4-bit: a quarter) and decoding it once per call.
+
+   The blocked layout is already the B-tile layout: a block of 16 table rows decoded to bf16
+   pairs is [K/2][16][2], so 16 column pairs (32 columns) of it are one B tile (16 rows of
+   64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x.
+   Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
+   Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include "eq_parallel.h"
+#include "eq_bf16dec.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 0 when this process may use AMX tile data (asked once; the permission is per process). */
+int amx_init(void) {
+    static int rc = 1;
+    if (rc == 1) rc = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+    return rc;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg_t;
+
+typedef struct {
+    const uint8_t* w; const void* s; const int8_t* z; const uint16_t* xa; const float* xs;
+    uint16_t* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind;
+} job_t;
+
+/* C tile (a, b) -> acc rows of activation tile a, block b: acc[b][a*16 + i][16 lanes] */
+static inline void epilogue(const job_t* j, float* cbuf, float* acc, int64_t nb, int64_t gi, int64_t m0) {
+    const int64_t G = j->G;
+    __m512 sv = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+    __m512 zv = j->z ? load_zero(j->z, (nb * G + gi) * 16) : _mm512_setzero_ps();
+    const int n = j->M - m0 < 16 ? (int)(j->M - m0) : 16; /* the real activation rows */
+    for (int i = 0; i < n; i++) {
+        __m512 t = _mm512_load_ps(cbuf + i * 16);
+        if (j->z) t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(j->xs[(m0 + i) * G + gi]), t);
+        __m512 a = gi == 0 ? _mm512_mul_ps(t, sv) : _mm512_fmadd_ps(t, sv, _mm512_load_ps(acc + i * 16));
+        _mm512_store_ps(acc + i * 16, a);
+    }
+}
+
+#define STORE_C(c, a, b) do { _tile_stored(c, cbuf, 64);                                  \
+        epilogue(j, cbuf, acc + ((b) * 32 + (a) * 16) * 16, nb + (b), gi, m0 + (a) * 16); } while (0)
+
+static void* run(void* arg) {
+    const job_t* j = (const job_t*)arg;
+    const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32; /* k-steps of 32 per group */
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    __m512i tbl = j->bits == 4 ? dec4_table() : _mm512_setzero_si512();
+    int32_t* wd = aligned_alloc(64, 2 * KP * 64);          /* two blocks decoded: [2][K/2][16] pairs */
+    float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
+    float* cbuf = aligned_alloc(64, 16 * 16 * sizeof(float));
+    if (!wd || !acc || !cbuf) { free(wd); free(acc); free(cbuf); _tile_release(); return (void*)1; }
+    const int32_t* wd1 = wd + KP * 16;
+    for (int64_t nb = j->nb0; nb < j->nb1; nb += 2) {
+        const int two = nb + 1 < j->nb1;
+        for (int b = 0; b <= two; b++)
+            for (int64_t p = 0; p < KP; p++)
+                _mm512_store_si512(wd + (b * KP + p) * 16, dec_pair(j->w, j->bits, (nb + b) * KP + p, tbl));
+        for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
+            const int twoa = m0 + 16 < j->MP;
+            const uint16_t* xa = j->xa + m0 * K;
+            for (int64_t gi = 0; gi < G; gi++) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
+                    _tile_loadd(4, xa + ks * 32, K * 2);
+                    _tile_loadd(6, wd + ks * 16 * 16, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) { _tile_loadd(7, wd1 + ks * 16 * 16, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (twoa) {
+                        _tile_loadd(5, xa + 16 * K + ks * 32, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                STORE_C(0, 0, 0);
+                if (two) STORE_C(1, 0, 1);
+                if (twoa) { STORE_C(2, 1, 0); if (two) STORE_C(3, 1, 1); }
+            }
+            for (int b = 0; b <= two; b++) {
+                const int64_t r0 = (nb + b) * 16, nr = j->V - r0 < 16 ? j->V - r0 : 16;
+                const __mmask16 mk = (__mmask16)((1u << nr) - 1);
+                for (int64_t i = 0; i < 32 && m0 + i < j->M; i++)
+                    _mm256_mask_storeu_epi16(j->out + (m0 + i) * j->ldo + r0, mk,
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + (b * 32 + i) * 16)));
+            }
+        }
+    }
+    free(wd); free(acc); free(cbuf);
+    _tile_release();
+    return NULL;
+}
+
+/* logits[M, V] (bf16, row stride ldo) = x[M, K] (bf16) @ dequant(W)^T on nthreads threads.
+   K and the group g multiples of 32 (one B tile never spans two groups). 0, or -1 when
+   the kernel refused (no tile permission, no memory): the caller falls back. */
+int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
+             int64_t g, const uint16_t* x, int64_t M, uint16_t* out, int64_t ldo, int nthreads) {
+    if (amx_init() != 0 || K % 32 || g % 32) return -1;
+    const int64_t G = K / g, NB = (V + 15) / 16, MP = (M + 15) / 16 * 16;
+    /* activations padded with zero rows to whole 16-row A tiles (a copy, exact) */
+    uint16_t* xa = aligned_alloc(64, MP * K * 2);
+    float* xs = z ? malloc(M * G * sizeof(float)) : NULL;
+    if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
+    memcpy(xa, x, M * K * 2);
+    memset(xa + M * K, 0, (MP - M) * K * 2);
+    if (z) /* per-group sums of the activations (asymmetric rows), as native_bf16.c */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < G; gi++) {
+                float a = 0;
+                for (int64_t k = 0; k < g; k++) { uint32_t u = (uint32_t)x[m * K + gi * g + k] << 16; float f; memcpy(&f, &u, 4); a += f; }
+                xs[m * G + gi] = a;
+            }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > NB) nthreads = (int)NB;
+    if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
+    job_t jobs[EQ_MAX_THREADS];
+    for (int t = 0; t < nthreads; t++) {
+        job_t jj = {w, s, z, xa, xs, out, ldo, M, MP, K, G, g, V, NB * t / nthreads, NB * (t + 1) / nthreads, bits, skind};
+        jobs[t] = jj;
+    }
+    int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
+    free(xa); free(xs);
+    return rc ? -1 : 0;
+}
