@@ -55,7 +55,8 @@ def main(argv=None) -> int:
             if why or not isinstance(p.layout, r.layout):
                 print(f"   {s}:{k} not timed: {why or 'another layout'}")
                 continue
-            dt = torch.bfloat16 if name == "native_bf16" or feed == "bf16" else torch.float32
+            # bf16-only rows (native_bf16, native_amx) take bf16; the others float32 unless #bf16
+            dt = torch.bfloat16 if torch.float32 not in r.acts or feed == "bf16" else torch.float32
             fns[f"{s}:{k}"] = (dt, lambda x, r=r, p=p: r.run(p.layout, x))
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {a.rows} x {a.cols}, load avg {load()}")
     for m in a.batches:
