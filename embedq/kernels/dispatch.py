@@ -84,7 +84,7 @@ ROUTES: tuple[Route, ...] = (
     # (AMD EPYC, AVX512-BF16, Gemma head: int8 M = 1 5.0-5.9 vs 6.8-10.0 ms, M = 2 5.4 vs 7.1;
     # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md). With AMX the tile
     # kernel is faster for int8 from M = 1 (Xeon with AMX, Gemma head: 10.5 vs 12.7 ms), for
-    # 4-bit from M = 2 (M = 1: 7.6 vs 5.5 ms): the 4-bit row comes before it, the int8 row after.
+    # 4-bit from M = 2 (M = 1: 7.2 vs 5.5 ms): the 4-bit row comes before it, the int8 row after.
     _small_m((4,), 1),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_amx", Native.head_amx,
           "embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), scales after each group (exact)",
