@@ -86,8 +86,9 @@ ROUTES: tuple[Route, ...] = (
     # kernel is faster for int8 from M = 1 (Xeon with AMX, Gemma head: 10.5 vs 12.7 ms), for
     # 4-bit from M = 2 (M = 1: 7.2 vs 5.5 ms): the 4-bit row comes before it, the int8 row after.
     _small_m((4,), 1),
-    Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_amx", Native.head_amx,
-          "embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), scales after each group (exact)",
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_amx", Native.head_amx,
+          "embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), scales after each group; "
+          "float16/float32 activations as 2/3 exact bf16 parts (exact)",
           native_head.AMX_LIB, "amx_bf16", fits=Native.fits_amx),
     _small_m((8,), 2),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,

@@ -1,8 +1,11 @@
 /* embedq's AMX-BF16 head kernel over the native blocked layout (native_head.py).
 
-   logits[M, V] = x[M, K] (bf16) @ dequant(W)^T, exact like native_bf16.c: every int8 and
-   4-bit code is exact in bf16, TDPBF16PS multiplies exactly and sums in float32, and each
-   group's scale (and z * sum(x) for asymmetric rows) is applied after that group's dot.
+   logits[M, V] = x[M, K] @ dequant(W)^T, exact like native_bf16.c: every int8 and 4-bit
+   code is exact in bf16, TDPBF16PS multiplies exactly and sums in float32, and each group's
+   scale (and z * sum(x) for asymmetric rows) is applied after that group's dot. float16 and
+   float32 activations are split once per call into 2 / 3 bf16 parts whose sum is x exactly
+   (x = h + m + l: 8 significant bits each), each part a dot of its own into the same
+   accumulators: the float32 products of the reference, summed in another order.
 
    Why AMX: on Sapphire Rapids and later, torch's bf16 F.linear runs on AMX tiles (~1,024
    bf16 FLOP per cycle per core); vdpbf16ps does 64. With tiles the head is bound by reading
@@ -20,6 +23,8 @@
 #include <sys/syscall.h>
 #include "eq_parallel.h"
 #include "eq_bf16dec.h"
+#include "eq_convert.h"
+#include <math.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -39,7 +44,7 @@ typedef struct {
 
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const uint16_t* xa; const float* xs;
-    uint16_t* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt;
+    void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind;
 } job_t;
 
 /* C tile (a, b) -> acc rows of activation tile a, block b: acc[b][a*16 + i][16 lanes] */
@@ -58,6 +63,35 @@ static inline void epilogue(const job_t* j, float* cbuf, float* acc, int64_t nb,
 
 #define STORE_C(c, a, b) do { _tile_stored(c, cbuf, 64);                                  \
         epilogue(j, cbuf, acc + ((b) * 32 + (a) * 16) * 16, nb + (b), gi, m0 + (a) * 16); } while (0)
+
+/* One output row's 16 (32 with hi) logits from float32 at column r0, in the output dtype.
+   Past L2 size (nt) a whole 64-byte line is one streaming store (see head_amx). */
+static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float* lo, const float* hi) {
+    const int64_t n = j->V - r0;
+    const int full = hi && n >= 32;
+    if (j->okind == 0) { /* float32: a block row is one line */
+        float* o = (float*)j->out + m * j->ldo + r0;
+        for (int b = 0; b < (hi ? 2 : 1); b++) {
+            __m512 v = _mm512_load_ps(b ? hi : lo);
+            const int64_t nr = n - b * 16 < 16 ? n - b * 16 : 16;
+            if (j->nt && nr == 16 && ((uintptr_t)(o + b * 16) & 63) == 0) _mm512_stream_ps(o + b * 16, v);
+            else _mm512_mask_storeu_ps(o + b * 16, (__mmask16)((1u << nr) - 1), v);
+        }
+        return;
+    }
+#define CVT16(p) (j->okind == 1 ? (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p))                   \
+                                : _mm512_cvtps_ph(_mm512_load_ps(p), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+    uint16_t* o = (uint16_t*)j->out + m * j->ldo + r0;
+    if (j->nt && full && ((uintptr_t)o & 63) == 0) {
+        _mm512_stream_si512((__m512i*)o, _mm512_inserti64x4(_mm512_castsi256_si512(CVT16(lo)), CVT16(hi), 1));
+        return;
+    }
+    for (int b = 0; b < (hi ? 2 : 1); b++) {
+        const int64_t nr = n - b * 16 < 16 ? n - b * 16 : 16;
+        _mm256_mask_storeu_epi16(o + b * 16, (__mmask16)((1u << nr) - 1), CVT16(b ? hi : lo));
+    }
+#undef CVT16
+}
 
 static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
@@ -81,8 +115,9 @@ static void* run(void* arg) {
            cost ~2x more (Xeon with AMX, Gemma head M = 256: 92.7 -> 79 ms with the stores below). */
         const int64_t c0 = j->nb0 * 16, c1 = (j->nb1 * 16 < j->V ? j->nb1 * 16 : j->V);
         for (int64_t m = 0; m < j->M; m++) {
-            volatile char* a = (volatile char*)(j->out + m * j->ldo + c0);
-            volatile char* e = (volatile char*)(j->out + m * j->ldo + c1);
+            const int es = j->okind == 0 ? 4 : 2;
+            volatile char* a = (volatile char*)j->out + (m * j->ldo + c0) * es;
+            volatile char* e = (volatile char*)j->out + (m * j->ldo + c1) * es;
             for (; a < e; a = (volatile char*)(((uintptr_t)a + 4096) & ~(uintptr_t)4095)) *a = 0;
         }
     }
@@ -102,14 +137,18 @@ static void* run(void* arg) {
             for (int64_t gi = 0; gi < G; gi++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-                    _tile_loadd(4, xa + ks * 32, K * 2);
                     _tile_loadd(6, wd + ks * 16 * 16, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two) { _tile_loadd(7, wd1 + ks * 16 * 16, 64); _tile_dpbf16ps(1, 4, 7); }
-                    if (twoa) {
-                        _tile_loadd(5, xa + 16 * K + ks * 32, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
+                    for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
+                        const uint16_t* xp = xa + pt * j->MP * K + ks * 32;
+                        _tile_loadd(4, xp, K * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) _tile_dpbf16ps(1, 4, 7);
+                        if (twoa) {
+                            _tile_loadd(5, xp + 16 * K, K * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
                     }
                     if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
                 }
@@ -117,21 +156,8 @@ static void* run(void* arg) {
                 if (two) STORE_C(1, 0, 1);
                 if (twoa) { STORE_C(2, 1, 0); if (two) STORE_C(3, 1, 1); }
             }
-            const int64_t r0 = nb * 16;
-            for (int64_t i = 0; i < 32 && m0 + i < j->M; i++) {
-                uint16_t* o = j->out + (m0 + i) * j->ldo + r0;
-                __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + i * 16));
-                if (j->nt && two && r0 + 32 <= j->V && ((uintptr_t)o & 63) == 0) {
-                    __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + (32 + i) * 16));
-                    _mm512_stream_si512((__m512i*)o, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-                    continue;
-                }
-                for (int b = 0; b <= two; b++) {
-                    const int64_t nr = j->V - r0 - b * 16 < 16 ? j->V - r0 - b * 16 : 16;
-                    _mm256_mask_storeu_epi16(o + b * 16, (__mmask16)((1u << nr) - 1),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + (b * 32 + i) * 16)));
-                }
-            }
+            for (int64_t i = 0; i < 32 && m0 + i < j->M; i++)
+                store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
         }
     }
     _mm_sfence();
@@ -140,24 +166,42 @@ static void* run(void* arg) {
     return NULL;
 }
 
-/* logits[M, V] (bf16, row stride ldo) = x[M, K] (bf16) @ dequant(W)^T on nthreads threads.
-   K and the group g multiples of 32 (one B tile never spans two groups). 0, or -1 when
-   the kernel refused (no tile permission, no memory): the caller falls back. */
+/* x element m, k as float32 (xkind: 0 float32, 1 bf16, 2 float16) */
+static inline float x_at(const void* x, int xkind, int64_t i) {
+    if (xkind == 0) return ((const float*)x)[i];
+    const uint16_t h = ((const uint16_t*)x)[i];
+    return xkind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* logits[M, V] (row stride ldo, x's dtype) = x[M, K] (xkind: 0 float32, 1 bf16, 2 float16)
+   @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
+   spans two groups). 0, or -1 when the kernel refused (no tile permission, no memory). */
 int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
-             int64_t g, const uint16_t* x, int64_t M, uint16_t* out, int64_t ldo, int nthreads) {
-    if (amx_init() != 0 || K % 32 || g % 32) return -1;
+             int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads) {
+    if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2) return -1;
     const int64_t G = K / g, NB = (V + 15) / 16, MP = (M + 15) / 16 * 16;
-    /* activations padded with zero rows to whole 16-row A tiles (a copy, exact) */
-    uint16_t* xa = aligned_alloc(64, MP * K * 2);
+    const int parts = xkind == 1 ? 1 : xkind == 2 ? 2 : 3;
+    /* activations as `parts` bf16 matrices [parts][MP][K], padded with zero rows to whole
+       16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
+       exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone) */
+    uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
     float* xs = z ? malloc(M * G * sizeof(float)) : NULL;
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
-    memcpy(xa, x, M * K * 2);
-    memset(xa + M * K, 0, (MP - M) * K * 2);
+    memset(xa, 0, parts * MP * K * 2);
+    for (int64_t i = 0; i < M * K; i++) {
+        float r = x_at(x, xkind, i);
+        const int fin = isfinite(r);
+        for (int pt = 0; pt < parts; pt++) {
+            const uint16_t h = f32_to_bf16(r);
+            xa[pt * MP * K + i] = h;
+            r = fin ? r - bf16_to_f32(h) : 0.f;
+        }
+    }
     if (z) /* per-group sums of the activations (asymmetric rows), as native_bf16.c */
         for (int64_t m = 0; m < M; m++)
             for (int64_t gi = 0; gi < G; gi++) {
                 float a = 0;
-                for (int64_t k = 0; k < g; k++) { uint32_t u = (uint32_t)x[m * K + gi * g + k] << 16; float f; memcpy(&f, &u, 4); a += f; }
+                for (int64_t k = 0; k < g; k++) a += x_at(x, xkind, m * K + gi * g + k);
                 xs[m * G + gi] = a;
             }
     if (nthreads < 1) nthreads = 1;
@@ -167,13 +211,13 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
        time: each block writes 32 bytes into M rows 2*V bytes apart, rows that alias in the
        cache sets (Gemma head M = 256, output reused: 72.7 -> 48.3 ms). Smaller outputs stay in
        cache for what reads them next (softmax, sampling). */
-    const int nt = M * V * 2 > (8 << 20);
+    const int nt = M * V * (xkind == 0 ? 4 : 2) > (8 << 20);
     job_t jobs[EQ_MAX_THREADS];
     for (int t = 0; t < nthreads; t++) {
         /* blocks split at even numbers: the streaming stores write two blocks as one line */
         job_t jj = {w, s, z, xa, xs, out, ldo, M, MP, K, G, g, V, NB * t / nthreads & ~1,
                     t + 1 == nthreads ? NB : NB * (t + 1) / nthreads & ~1,
-                    bits, skind, nt};
+                    bits, skind, nt, parts, xkind};
         jobs[t] = jj;
     }
     int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);

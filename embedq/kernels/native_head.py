@@ -70,7 +70,7 @@ AMX_NEEDS = (*NEEDS, "amx_tile", "amx_bf16")
 
 def _setup_amx(lib) -> None:
     P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.head_amx.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, I, Fi]
+    lib.head_amx.argtypes = [P, P, Fi, P, Fi, I, I, I, P, Fi, I, P, I, Fi]
     lib.head_amx.restype = Fi
     lib.amx_init.restype = Fi
     if lib.amx_init() != 0:
@@ -161,13 +161,15 @@ def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) 
 
 
 def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
-    """:func:`head` in AMX tiles (``cols`` and ``group`` multiples of 32)."""
+    """:func:`head` in AMX tiles for bf16, float16 or float32 ``x`` (output in its dtype;
+    ``cols`` and ``group`` multiples of 32)."""
     lib = AMX_LIB.get()
     x = x.contiguous()
     M = x.shape[0]
-    out = torch.empty(M, rows, dtype=torch.bfloat16)
+    out = torch.empty(M, rows, dtype=x.dtype)
     rc = lib.head_amx(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                      bits, rows, cols, group, x.data_ptr(), M, out.data_ptr(), rows, torch.get_num_threads())
+                      bits, rows, cols, group, x.data_ptr(), SCALE_KIND[x.dtype], M, out.data_ptr(), rows,
+                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"AMX head kernel: no memory for its {M}-row activation tiles")
     return out
