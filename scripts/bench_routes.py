@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     fns = {"bf16": (torch.bfloat16, lambda x: F.linear(x, w)), "f32": (torch.float32, lambda x: F.linear(x, w32))}
     rows = {}
     for r in dispatch.ROUTES:  # the general row of each kernel name (no M limit)
-        if r.m_max is None and r.act == "exact":
+        if r.m_max is None and r.m_min == 1 and r.act == "exact":
             rows.setdefault(r.kernel, r)
     for s in a.schemes:
         p = PreparedTable.from_table(quantize_table(w, parse_scheme(s)), dtype=torch.bfloat16)

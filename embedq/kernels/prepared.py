@@ -148,10 +148,10 @@ class PreparedTable:
         seen, parts = set(), []
         for r in self.routes:
             acts = [a for a in r.acts if a not in seen]
-            if r.m_max is None:
+            if r.m_max is None and r.m_min == 1:
                 seen.update(acts)
             if acts:
-                m = f" at M <= {r.m_max}" if r.m_max else ""
+                m = f" at M <= {r.m_max}" if r.m_max else f" at M >= {r.m_min}" if r.m_min > 1 else ""
                 q = " (int8 activations)" if r.act == "int8" else ""
                 parts.append(f"{r.kernel} for {'/'.join(str(a).replace('torch.', '') for a in acts)}{m}{q}")
         if self.activations != "exact" and not any(r.act == self.activations for r in self.routes):

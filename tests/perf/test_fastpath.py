@@ -114,7 +114,7 @@ def _native_kernel(dt, spec, m: int) -> str:
     """The native variant this CPU serves ``m`` activation rows of ``dt`` with for a table of
     ``spec`` (no silent fallback)."""
     return next(r.kernel for r in dispatch.rows_for("native", spec) if dt in r.acts
-                and (r.m_max is None or m <= r.m_max))
+                and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
 
 
 @pytest.mark.parametrize("serve", ["native", "torch"])

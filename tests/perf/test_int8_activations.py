@@ -19,7 +19,7 @@ import torch
 from embedq.kernels import PreparedTable, actquant, dispatch, native_f32
 from embedq.kernels.layouts import Native
 from tests.perf.test_cpu_variants import SELECT, _table
-from tests.perf.test_fastpath import U, _wabs
+from tests.perf.test_fastpath import U, _check_linear, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 A8 = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and r.act == "int8"}
@@ -100,6 +100,27 @@ def test_int8_codes_are_actquants(isa, monkeypatch):
     dcol = d.repeat_interleave(actquant.BLOCK, 1)
     want = (q.float() * c * dcol) * sr  # float32: the kernel's two roundings
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_amx_serves_m16_and_up_exactly_under_the_opt_in(monkeypatch):
+    """On an AMX CPU the exact tile kernel is faster than int8 activations from M = 16: under
+    EMBEDQ_ACTIVATIONS=int8 it serves M >= 16 (exactly), the int8 rows below."""
+    from embedq.kernels import native_head
+    why = native_head.AMX_LIB.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("EMBEDQ_ACTIVATIONS", "int8")
+    qt = _table(4, 32, False, 1001, 96, BF)
+    p = PreparedTable.from_table(qt)
+    gen = torch.Generator().manual_seed(3)
+    for m in (8, 15, 16, 64):
+        x = torch.randn(m, 96, generator=gen).to(BF)
+        if m < 16:
+            _check(p, qt, x, next(r.kernel for r in p.routes if r.act == "int8"))
+        else:
+            _check_linear(p, qt, x, _wabs(qt))
+            assert p.last_kernel == "native_amx"
+    assert "native_amx for bfloat16/float16/float32 at M >= 16" in p.variants()
 
 
 def test_opt_in_only_and_only_where_it_fits(monkeypatch):
