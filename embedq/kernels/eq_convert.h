@@ -34,4 +34,22 @@ static inline uint16_t f32_to_f16(float f) {
     return sign | (uint16_t)((x - 0x38000000u + 0xfffu + ((x >> 13) & 1)) >> 13);
 }
 
+/* x[i] as float32; kind: 0 float32, 1 bf16, 2 float16 (build.SCALE_KIND's codes) */
+static inline float eq_x_at(const void* x, int kind, int64_t i) {
+    if (kind == 0) return ((const float*)x)[i];
+    const uint16_t h = ((const uint16_t*)x)[i];
+    return kind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* Per-group sums of the activations, xs[m][K/g] = sum of x[m][gi*g .. gi*g+g) in float32,
+   left to right: the zero-point term z * sum(x) of asymmetric rows (every kernel's). */
+static inline void eq_group_sums(const void* x, int kind, int64_t M, int64_t K, int64_t g, float* xs) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t gi = 0; gi < K / g; gi++) {
+            float a = 0;
+            for (int64_t k = 0; k < g; k++) a += eq_x_at(x, kind, m * K + gi * g + k);
+            xs[m * (K / g) + gi] = a;
+        }
+}
+
 #endif

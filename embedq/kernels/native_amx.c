@@ -166,13 +166,6 @@ static void* run(void* arg) {
     return NULL;
 }
 
-/* x element m, k as float32 (xkind: 0 float32, 1 bf16, 2 float16) */
-static inline float x_at(const void* x, int xkind, int64_t i) {
-    if (xkind == 0) return ((const float*)x)[i];
-    const uint16_t h = ((const uint16_t*)x)[i];
-    return xkind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
 /* logits[M, V] (row stride ldo, x's dtype) = x[M, K] (xkind: 0 float32, 1 bf16, 2 float16)
    @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
    spans two groups). 0, or -1 when the kernel refused (no tile permission, no memory). */
@@ -189,7 +182,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
     for (int64_t i = 0; i < M * K; i++) {
-        float r = x_at(x, xkind, i);
+        float r = eq_x_at(x, xkind, i);
         const int fin = isfinite(r);
         for (int pt = 0; pt < parts; pt++) {
             const uint16_t h = f32_to_bf16(r);
@@ -197,13 +190,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
             r = fin ? r - bf16_to_f32(h) : 0.f;
         }
     }
-    if (z) /* per-group sums of the activations (asymmetric rows), as native_bf16.c */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t gi = 0; gi < G; gi++) {
-                float a = 0;
-                for (int64_t k = 0; k < g; k++) a += x_at(x, xkind, m * K + gi * g + k);
-                xs[m * G + gi] = a;
-            }
+    if (z) eq_group_sums(x, xkind, M, K, g, xs); /* asymmetric rows: z * sum(x) per group */
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include "eq_parallel.h"
 #include "eq_bf16dec.h"
+#include "eq_convert.h"
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
    int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
@@ -120,12 +121,8 @@ int head_bf16(const uint8_t* w, const void* s, int skind, const int8_t* z, int b
     float* xs = NULL;
     if (z) { /* per-group sums of the activations (asymmetric rows) */
         xs = malloc(M * G * sizeof(float));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t gi = 0; gi < G; gi++) {
-                float a = 0;
-                for (int64_t k = 0; k < g; k++) { uint32_t u = (uint32_t)x[m * K + gi * g + k] << 16; float f; memcpy(&f, &u, 4); a += f; }
-                xs[m * G + gi] = a;
-            }
+        if (!xs) return 1;
+        eq_group_sums(x, 1, M, K, g, xs);
     }
     /* Activations once per call: [M/16][K/2][16] bf16 pairs (a transpose, exact). */
     int32_t* xp = aligned_alloc(64, MB * KP * 64);

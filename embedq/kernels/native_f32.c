@@ -455,12 +455,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (z && M <= 2) {
         xs = malloc(sizeof(float) * M * (K / g));
         if (!xs) return 1;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t gi = 0; gi < K / g; gi++) {
-                float a = 0;
-                for (int64_t k = 0; k < g; k++) a += x[m * K + gi * g + k];
-                xs[m * (K / g) + gi] = a;
-            }
+        eq_group_sums(x, 0, M, K, g, xs);
     }
 #if EQ_Q4PLANES
     q4planes_t P;
