@@ -253,8 +253,27 @@ class Native(Layout):
         sp = self.spec
         return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
 
+    def head_amx_prescaled(self, x):
+        """:meth:`head_amx` with B tiles holding ``s * (q - z)`` as two exact bf16 parts: twice
+        the tile work, no per-group epilogue; a table where that is not exact (checked once)
+        takes :meth:`head_amx`."""
+        if getattr(self, "_prescale_exact", None) is None:
+            self._prescale_exact = native_head.amx_prescale_exact(self.spec.bits, self.s, self.z)
+        if not self._prescale_exact:
+            return self.head_amx(x)
+        sp = self.spec
+        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x, prescaled=True)
+
     @staticmethod
     def fits_amx(spec) -> str | None:
+        return native_head.amx_fits(spec.cols, spec.group)
+
+    @staticmethod
+    def fits_amx_prescaled(spec) -> str | None:
+        """The prescaled tiles pay off where a group is one tile (g = 32: an epilogue per
+        tile dot otherwise); exact for 4-bit codes with f16 / bf16 scales."""
+        if spec.bits != 4 or spec.group != 32 or spec.scale_dtype not in (torch.float16, torch.bfloat16):
+            return f"{spec.bits}-bit g{spec.group} {spec.scale_dtype}: only 4-bit g32 with f16/bf16 scales"
         return native_head.amx_fits(spec.cols, spec.group)
 
     @staticmethod

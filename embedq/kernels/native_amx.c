@@ -44,8 +44,43 @@ typedef struct {
 
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const uint16_t* xa; const float* xs;
-    void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind;
+    void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind, pre;
 } job_t;
+
+/* Prescaled B (pre, 4-bit): the pairs [p0, p1) of block nb as w = s * (q - z) in float32,
+   split into two bf16 tiles hi and lo (hi + lo = w) at d and d + 2 * K/2 * 16. Exact when w
+   has at most 16 significant bits and no part is subnormal (the caller's guard: f16/bf16
+   scales, |q - z| < 32, |s| >= 2^-100): then x * hi + x * lo = x * w, and every group's dot
+   chains into one accumulator with no per-group epilogue (at g32 one follows every tile dot). */
+static inline void decode_pre(const job_t* j, int32_t* d, int64_t nb, int64_t p0, int64_t p1) {
+    const int64_t KP = j->K / 2;
+    const __m512i m15 = _mm512_set1_epi32(15), hm = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 sv = _mm512_setzero_ps(), tv = sv;
+    int64_t gp = -1;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t gi = 2 * p / j->g, i = (nb * j->G + gi) * 16;
+        if (gi != gp) {  /* w = u * s - t, t = (z + 8) * s (u = q + 8) */
+            gp = gi;
+            sv = load_scale(j->s, j->skind, i);
+            __m512 zf = _mm512_set1_ps(8.f);
+            if (j->z) zf = _mm512_add_ps(zf, load_zero(j->z, i));
+            tv = _mm512_mul_ps(zf, sv);  /* exact: <= 5 + 11 bits */
+        }
+        /* row r: byte = (u of column 2p+1 << 4) | u of column 2p */
+        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(j->w + (nb * KP + p) * 16)));
+        __m512i c0 = _mm512_and_si512(u, m15), c1 = _mm512_srli_epi32(u, 4);
+        /* one rounding of an exact c * s - t: w itself (<= 16 significant bits) */
+        __m512 f0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c0), sv, tv);
+        __m512 f1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c1), sv, tv);
+        /* hi = w truncated to bf16 (its top 8 bits), lo = w - hi (the next 8): both exact
+           bf16, so their float32 bits' upper halves are the bf16 words (pair: col 2p low) */
+        __m512i h0 = _mm512_and_si512(_mm512_castps_si512(f0), hm), h1 = _mm512_and_si512(_mm512_castps_si512(f1), hm);
+        __m512i l0 = _mm512_castps_si512(_mm512_sub_ps(f0, _mm512_castsi512_ps(h0)));
+        __m512i l1 = _mm512_castps_si512(_mm512_sub_ps(f1, _mm512_castsi512_ps(h1)));
+        _mm512_store_si512(d + p * 16, _mm512_or_si512(h1, _mm512_srli_epi32(h0, 16)));
+        _mm512_store_si512(d + (2 * KP + p) * 16, _mm512_or_si512(l1, _mm512_srli_epi32(l0, 16)));
+    }
+}
 
 /* C tile (a, b) -> acc rows of activation tile a, block b: acc[b][a*16 + i][16 lanes] */
 static inline void epilogue(const job_t* j, float* cbuf, float* acc, int64_t nb, int64_t gi, int64_t m0) {
@@ -106,7 +141,8 @@ static void* run(void* arg) {
        k-step at a time, between the tile instructions of this one, so the vector decode and
        its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
        g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
-    int32_t* wbuf = aligned_alloc(64, 4 * KP * 64);
+    const int64_t PB = (j->pre ? 2 : 1) * 2 * KP * 16; /* one decoded pair (int32 units) */
+    int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
     float* cbuf = aligned_alloc(64, 16 * 16 * sizeof(float));
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
@@ -123,22 +159,26 @@ static void* run(void* arg) {
     }
     /* decode the pairs [p0, p1) of both blocks of block pair nb into buffer d */
 #define DECODE(d, nb, p0, p1) for (int b_ = 0; b_ < 2 && (nb) + b_ < j->nb1; b_++)                \
-        for (int64_t p_ = (p0); p_ < (p1); p_++)                                           \
+        if (j->pre) decode_pre(j, (d) + b_ * KP * 16, (nb) + b_, p0, p1);                      \
+        else for (int64_t p_ = (p0); p_ < (p1); p_++)                                      \
             _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
-        const int32_t* wd = wbuf + cur * 2 * KP * 16, * wd1 = wd + KP * 16;
-        int32_t* wn = wbuf + (cur ^ 1) * 2 * KP * 16;
+        const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
+        int32_t* wn = wbuf + (cur ^ 1) * PB;
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
             const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
             const int twoa = m0 + 16 < j->MP;
             const uint16_t* xa = j->xa + m0 * K;
-            for (int64_t gi = 0; gi < G; gi++) {
+            /* prescaled: one dot over all of K (twice: hi and lo tiles), no group epilogue */
+            const int64_t GL = j->pre ? 1 : G, KSL = j->pre ? K / 32 : KS;
+            for (int64_t gi = 0; gi < GL; gi++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-                    _tile_loadd(6, wd + ks * 16 * 16, 64);
-                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
+                for (int64_t ks = gi * KSL; ks < (gi + 1) * KSL; ks++)
+                for (int hl = 0; hl <= j->pre; hl++) {
+                    _tile_loadd(6, wd + hl * 2 * KP * 16 + ks * 16 * 16, 64);
+                    if (two) _tile_loadd(7, wd1 + hl * 2 * KP * 16 + ks * 16 * 16, 64);
                     for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
                         const uint16_t* xp = xa + pt * j->MP * K + ks * 32;
                         _tile_loadd(4, xp, K * 2);
@@ -150,7 +190,13 @@ static void* run(void* arg) {
                             if (two) _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+                    if (dn && hl == j->pre) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+                }
+                if (j->pre) {  /* the sums are the logits: tiles straight into acc */
+                    _tile_stored(0, acc, 64);
+                    if (two) _tile_stored(1, acc + 32 * 16, 64);
+                    if (twoa) { _tile_stored(2, acc + 16 * 16, 64); if (two) _tile_stored(3, acc + 48 * 16, 64); }
+                    continue;
                 }
                 STORE_C(0, 0, 0);
                 if (two) STORE_C(1, 0, 1);
@@ -170,7 +216,7 @@ static void* run(void* arg) {
    @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
    spans two groups). 0, or -1 when the kernel refused (no tile permission, no memory). */
 int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
-             int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads) {
+             int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads, int pre) {
     if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2) return -1;
     const int64_t G = K / g, NB = (V + 15) / 16, MP = (M + 15) / 16 * 16;
     const int parts = xkind == 1 ? 1 : xkind == 2 ? 2 : 3;
@@ -178,8 +224,8 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
        16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
        exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
-    float* xs = z ? malloc(M * G * sizeof(float)) : NULL;
-    if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
+    float* xs = z && !pre ? malloc(M * G * sizeof(float)) : NULL;
+    if (!xa || (z && !pre && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
     for (int64_t i = 0; i < M * K; i++) {
         float r = eq_x_at(x, xkind, i);
@@ -190,7 +236,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
             r = fin ? r - bf16_to_f32(h) : 0.f;
         }
     }
-    if (z) eq_group_sums(x, xkind, M, K, g, xs); /* asymmetric rows: z * sum(x) per group */
+    if (xs) eq_group_sums(x, xkind, M, K, g, xs); /* asymmetric rows: z * sum(x) per group */
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
@@ -204,7 +250,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
         /* blocks split at even numbers: the streaming stores write two blocks as one line */
         job_t jj = {w, s, z, xa, xs, out, ldo, M, MP, K, G, g, V, NB * t / nthreads & ~1,
                     t + 1 == nthreads ? NB : NB * (t + 1) / nthreads & ~1,
-                    bits, skind, nt, parts, xkind};
+                    bits, skind, nt, parts, xkind, pre != 0};
         jobs[t] = jj;
     }
     int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
