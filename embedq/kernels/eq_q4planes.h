@@ -132,6 +132,7 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
         const uint8_t* b0 = wb + gi * PG * 16;
+        for (int64_t c = 0; c < PG * 16; c += 64) EQ_PREFETCH(b0 + c);  /* M = 1 7.2 -> 3.5 ms */
         for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
             const int two = q0 + 1 < P->off[gi + 1];
             const int16_t* X0 = P->x + (int64_t)q0 * IT * 16;

@@ -5,13 +5,11 @@
 #include "eq_bf16dec.h"
 #include "eq_convert.h"
 
-/* Software prefetch of the codes 4 KiB ahead of the pair being decoded. On an Intel Xeon
-   (Sapphire Rapids class, AMX taken away: the AVX512-BF16 family emulated) the hardware
-   prefetchers left every code load stalled (perf: 56 % of the tile's samples on it): Gemma
-   head int8 g64 M = 1 / 2 / 8 13.9 / 15.2 / 51.1 -> 8.6 / 8.9 / 18.3 ms, Q4 g32 M = 8 21.1 ->
-   15.7; flat from 3 to 16 KiB ahead; M >= 16 (compute-bound) unchanged. */
-#define PFD 4096
-#define PREFETCH(j, pair) _mm_prefetch((const char*)(j)->w + (pair) * ((j)->bits == 8 ? 32 : 16) + PFD, _MM_HINT_T0)
+/* EQ_PREFETCH (eq_convert.h) on every pair decoded: on an Intel Xeon (Sapphire Rapids class,
+   AMX taken away: the AVX512-BF16 family emulated) Gemma head int8 g64 M = 1 / 2 / 8 13.9 /
+   15.2 / 51.1 -> 8.6 / 8.9 / 18.3 ms, Q4 g32 M = 8 21.1 -> 15.7; flat from 3 to 16 KiB ahead;
+   M >= 16 (compute-bound) unchanged. */
+#define PREFETCH(j, pair) EQ_PREFETCH((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16))
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
    int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,
