@@ -200,3 +200,20 @@ def test_no_test_package_shadows_an_installed_module():
     packages = {p.parent.name for p in tests.glob("*/__init__.py")}
     assert packages, "no test packages found"
     assert not packages & installed, f"test packages named like installed modules: {packages & installed}"
+
+
+def test_package_data_ships_every_kernel_source_and_header():
+    """A wheel carries what the kernels compile from: every ``.c`` and every header it
+    ``#include``s beside it (build.c_source inlines them at run time; a header left out of
+    package-data made every C kernel unavailable in a non-editable install)."""
+    import fnmatch
+    import tomllib
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = data.get("embedq.kernels", [])
+    kdir = root / "embedq" / "kernels"
+    needed = {p.name for p in kdir.glob("*.c")}
+    for p in kdir.glob("*.[ch]"):
+        needed |= set(re.findall(r'#include "([^"/]+)"', p.read_text()))
+    missing = sorted(n for n in needed if not any(fnmatch.fnmatch(n, g) for g in globs))
+    assert not missing, f"pyproject.toml [tool.setuptools.package-data] embedq.kernels lacks {missing}"
