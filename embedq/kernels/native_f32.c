@@ -28,7 +28,8 @@
    M > 2: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
    (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
    activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
-   2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel). Each weight byte
+   2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel; the AVX-512 build
+   runs a whole super-block per tile, 6 x 64: 24 of 32 zmm, eq_f32micro.h). Each weight byte
    is read and decoded once per call at every M. */
 
 #include <stdint.h>
@@ -144,98 +145,7 @@ static void decode(const job_t* j, int64_t nb, int64_t p0, int64_t p1, float* re
     }
 }
 
-/* acc[nm][16] (row stride lda) (+)= x[nm][kc] (row stride ldx) . w[kc][16].
-   nm <= 2 keeps NS independent accumulator sets over interleaved k (FMA latency:
-   2 x nm x NS chains in flight). */
-static inline __attribute__((always_inline)) void micro(const int nm, const float* restrict w, int64_t kc,
-        const float* restrict x, int64_t ldx, float* restrict acc, int64_t lda, int first) {
-    enum { NS = 4 };
-    const int ns = nm == 1 ? 4 : nm == 2 ? 2 : 1;
-#if EQ_AVX512
-    __m512 a[NS][MR];
-    for (int s = 0; s < ns; s++)
-        for (int i = 0; i < nm; i++)
-            a[s][i] = s || first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + i * lda);
-    int64_t k = 0;
-    for (; k + ns <= kc; k += ns)
-        for (int s = 0; s < ns; s++) {
-            const __m512 w0 = _mm512_loadu_ps(w + (k + s) * RB);
-            for (int i = 0; i < nm; i++)
-                a[s][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k + s]), w0, a[s][i]);
-        }
-    for (; k < kc; k++) {
-        const __m512 w0 = _mm512_loadu_ps(w + k * RB);
-        for (int i = 0; i < nm; i++)
-            a[0][i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w0, a[0][i]);
-    }
-    for (int i = 0; i < nm; i++) {
-        __m512 t = a[0][i];
-        for (int s = 1; s < ns; s++) t = _mm512_add_ps(t, a[s][i]);
-        _mm512_storeu_ps(acc + i * lda, t);
-    }
-#elif EQ_AVX2
-    __m256 a[NS][MR][2];
-    for (int s = 0; s < ns; s++)
-        for (int i = 0; i < nm; i++) {
-            a[s][i][0] = s || first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * lda);
-            a[s][i][1] = s || first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * lda + 8);
-        }
-    int64_t k = 0;
-    for (; k + ns <= kc; k += ns)
-        for (int s = 0; s < ns; s++) {
-            const __m256 w0 = _mm256_loadu_ps(w + (k + s) * RB), w1 = _mm256_loadu_ps(w + (k + s) * RB + 8);
-            for (int i = 0; i < nm; i++) {
-                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k + s);
-                a[s][i][0] = _mm256_fmadd_ps(xb, w0, a[s][i][0]);
-                a[s][i][1] = _mm256_fmadd_ps(xb, w1, a[s][i][1]);
-            }
-        }
-    for (; k < kc; k++) {
-        const __m256 w0 = _mm256_loadu_ps(w + k * RB), w1 = _mm256_loadu_ps(w + k * RB + 8);
-        for (int i = 0; i < nm; i++) {
-            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
-            a[0][i][0] = _mm256_fmadd_ps(xb, w0, a[0][i][0]);
-            a[0][i][1] = _mm256_fmadd_ps(xb, w1, a[0][i][1]);
-        }
-    }
-    for (int i = 0; i < nm; i++) {
-        __m256 t0 = a[0][i][0], t1 = a[0][i][1];
-        for (int s = 1; s < ns; s++) { t0 = _mm256_add_ps(t0, a[s][i][0]); t1 = _mm256_add_ps(t1, a[s][i][1]); }
-        _mm256_storeu_ps(acc + i * lda, t0);
-        _mm256_storeu_ps(acc + i * lda + 8, t1);
-    }
-#else
-    float a[NS][MR][RB];
-    for (int s = 0; s < ns; s++)
-        for (int i = 0; i < nm; i++)
-            for (int r = 0; r < RB; r++) a[s][i][r] = s || first ? 0.0f : acc[i * lda + r];
-    int64_t k = 0;
-    for (; k + ns <= kc; k += ns)
-        for (int s = 0; s < ns; s++)
-            for (int i = 0; i < nm; i++) {
-                const float xv = x[i * ldx + k + s];
-                for (int r = 0; r < RB; r++) a[s][i][r] += xv * w[(k + s) * RB + r];
-            }
-    for (; k < kc; k++)
-        for (int i = 0; i < nm; i++) {
-            const float xv = x[i * ldx + k];
-            for (int r = 0; r < RB; r++) a[0][i][r] += xv * w[k * RB + r];
-        }
-    for (int i = 0; i < nm; i++)
-        for (int r = 0; r < RB; r++) {
-            float t = a[0][i][r];
-            for (int s = 1; s < ns; s++) t += a[s][i][r];
-            acc[i * lda + r] = t;
-        }
-#endif
-}
-
-#define C(n) case n: micro(n, w, kc, x, ldx, acc, lda, first); break;
-static void micro_any(int nm, const float* w, int64_t kc, const float* x, int64_t ldx, float* acc,
-                      int64_t lda, int first) {
-    switch (nm) { C(1) C(2) C(3) C(4) C(5) C(6) }
-}
-#undef C
+#include "eq_f32micro.h"
 
 /* nr (<= 16) float32 results -> out in its dtype (0 f32, 1 bf16, 2 f16). */
 static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
@@ -430,7 +340,11 @@ static void* run(void* arg) {
             for (int b = 0; b < nbk; b++) decode(j, s0 + b, k0 / 2, (k0 + kc) / 2, scratch + b * KC * RB);
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 const int nm = M - m0 < MR ? (int)(M - m0) : MR;
-                for (int b = 0; b < nbk; b++)
+                int b = 0;
+#if EQ_AVX512
+                if (nbk == SB) { micro4_any(nm, scratch, kc, j->x + m0 * K + k0, K, acc + m0 * LDA, LDA, k0 == 0); b = SB; }
+#endif
+                for (; b < nbk; b++)
                     micro_any(nm, scratch + b * KC * RB, kc, j->x + m0 * K + k0, K, acc + m0 * LDA + b * RB,
                               LDA, k0 == 0);
             }
