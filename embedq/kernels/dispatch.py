@@ -106,6 +106,13 @@ ROUTES: tuple[Route, ...] = (
     Route(bits=(4, 8), groups="any", why="embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), "
           "scales after each group; float16/float32 activations as 2/3 exact bf16 parts (exact)", **_AMX),
     _small_m((8,), 2),
+    # Without AMX, bf16 activations from M = 64 run faster on the AVX-512F kernel's 6 x 64
+    # float32 tiles than on vdpbf16ps (Xeon emulating the AVX512-BF16 family, Gemma head:
+    # int8 g64 M = 64 91.9 vs 112.0 ms, M = 256 347 vs 446; Q4 g32 90 vs 111, 340 vs 453;
+    # M = 32 equal, M = 16 29-32 vs 30-33; AMD EPYC, fifth session, M = 256: 270 vs 277).
+    Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_avx512f", _AVX512F_HEAD,
+          "the AVX-512F kernel for bf16 activations at large M (its 6 x 64 float32 tiles beat vdpbf16ps there)",
+          _F32["avx512f"], "avx512f", m_min=64),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
           native_head.LIB, "avx512_bf16"),

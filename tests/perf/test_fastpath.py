@@ -171,6 +171,8 @@ def test_amx_large_batch_and_taken_away(bits, group, monkeypatch):
     p = PreparedTable.from_table(qt)
     _check_linear(p, qt, x[:8], _wabs(qt))
     assert p.last_kernel == "native_bf16"
+    _check_linear(p, qt, x, _wabs(qt))  # M = 256 without AMX: the AVX-512F row's 6 x 64 tiles
+    assert p.last_kernel == _native_kernel(BF, p.spec, 256) == "native_avx512f"
 
 
 @pytest.mark.parametrize("scale_dtype,sym", [(F16, False), (BF, True)])
