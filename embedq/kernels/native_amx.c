@@ -44,7 +44,7 @@ typedef struct {
 
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const uint16_t* xa; const float* xs;
-    void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind, pre;
+    void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind;
 } job_t;
 
 /* Prescaled B (pre, 4-bit): the pairs [p0, p1) of block nb as w = s * (q - z) in float32,
@@ -128,7 +128,9 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
 #undef CVT16
 }
 
-static void* run(void* arg) {
+/* pre: a compile-time constant in each instance (run_plain, run_pre), so the plain kernel's
+   loops compile as they did before the prescaled mode. */
+static inline __attribute__((always_inline)) void* run(void* arg, const int pre) {
     const job_t* j = (const job_t*)arg;
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32; /* k-steps of 32 per group */
     tilecfg_t cfg;
@@ -141,7 +143,7 @@ static void* run(void* arg) {
        k-step at a time, between the tile instructions of this one, so the vector decode and
        its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
        g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
-    const int64_t PB = (j->pre ? 2 : 1) * 2 * KP * 16; /* one decoded pair (int32 units) */
+    const int64_t PB = (pre ? 2 : 1) * 2 * KP * 16; /* one decoded pair (int32 units) */
     int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
     float* cbuf = aligned_alloc(64, 16 * 16 * sizeof(float));
@@ -159,7 +161,7 @@ static void* run(void* arg) {
     }
     /* decode the pairs [p0, p1) of both blocks of block pair nb into buffer d */
 #define DECODE(d, nb, p0, p1) for (int b_ = 0; b_ < 2 && (nb) + b_ < j->nb1; b_++)                \
-        if (j->pre) decode_pre(j, (d) + b_ * KP * 16, (nb) + b_, p0, p1);                      \
+        if (pre) decode_pre(j, (d) + b_ * KP * 16, (nb) + b_, p0, p1);                      \
         else for (int64_t p_ = (p0); p_ < (p1); p_++)                                      \
             _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
@@ -172,11 +174,11 @@ static void* run(void* arg) {
             const int twoa = m0 + 16 < j->MP;
             const uint16_t* xa = j->xa + m0 * K;
             /* prescaled: one dot over all of K (twice: hi and lo tiles), no group epilogue */
-            const int64_t GL = j->pre ? 1 : G, KSL = j->pre ? K / 32 : KS;
+            const int64_t GL = pre ? 1 : G, KSL = pre ? K / 32 : KS;
             for (int64_t gi = 0; gi < GL; gi++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t ks = gi * KSL; ks < (gi + 1) * KSL; ks++)
-                for (int hl = 0; hl <= j->pre; hl++) {
+                for (int hl = 0; hl <= pre; hl++) {
                     _tile_loadd(6, wd + hl * 2 * KP * 16 + ks * 16 * 16, 64);
                     if (two) _tile_loadd(7, wd1 + hl * 2 * KP * 16 + ks * 16 * 16, 64);
                     for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
@@ -190,9 +192,9 @@ static void* run(void* arg) {
                             if (two) _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    if (dn && hl == j->pre) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+                    if (dn && hl == pre) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
                 }
-                if (j->pre) {  /* the sums are the logits: tiles straight into acc */
+                if (pre) {  /* the sums are the logits: tiles straight into acc */
                     _tile_stored(0, acc, 64);
                     if (two) _tile_stored(1, acc + 32 * 16, 64);
                     if (twoa) { _tile_stored(2, acc + 16 * 16, 64); if (two) _tile_stored(3, acc + 48 * 16, 64); }
@@ -211,6 +213,9 @@ static void* run(void* arg) {
     _tile_release();
     return NULL;
 }
+
+static void* run_plain(void* arg) { return run(arg, 0); }
+static void* run_pre(void* arg) { return run(arg, 1); }
 
 /* logits[M, V] (row stride ldo, x's dtype) = x[M, K] (xkind: 0 float32, 1 bf16, 2 float16)
    @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
@@ -250,10 +255,10 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
         /* blocks split at even numbers: the streaming stores write two blocks as one line */
         job_t jj = {w, s, z, xa, xs, out, ldo, M, MP, K, G, g, V, NB * t / nthreads & ~1,
                     t + 1 == nthreads ? NB : NB * (t + 1) / nthreads & ~1,
-                    bits, skind, nt, parts, xkind, pre != 0};
+                    bits, skind, nt, parts, xkind};
         jobs[t] = jj;
     }
-    int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
+    int rc = eq_fanout(pre ? run_pre : run_plain, jobs, sizeof(job_t), nthreads);
     free(xa); free(xs);
     return rc ? -1 : 0;
 }
