@@ -99,13 +99,14 @@ ROUTES: tuple[Route, ...] = (
     # bf16 activations at M <= 2 (int8) / M = 1 (4-bit): the AVX-512F kernel (codes -> float32
     # in registers, FMA) reads the table at memory speed where vdpbf16ps' decode costs more
     # (AMD EPYC, AVX512-BF16, Gemma head: int8 M = 1 5.0-5.9 vs 6.8-10.0 ms, M = 2 5.4 vs 7.1;
-    # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md). With AMX the tile
-    # kernel is faster for int8 from M = 1 (Xeon with AMX, Gemma head: 10.5 vs 12.7 ms), for
-    # 4-bit from M = 2 (M = 1: 7.2 vs 5.5 ms): the 4-bit row comes before it, the int8 row after.
+    # 4-bit M = 1 3.3-6.1 vs 5.0-6.6, M = 2 slower: docs/performance.md). Both rows come before
+    # the AMX tile kernel too: since the code prefetch (seventh session) the AVX-512F kernel
+    # is faster there at M <= 2 (Xeon with AMX, synthetic Gemma head: int8 M = 1 / 2 6.7 / 7.5
+    # vs 10.6 / 10.8 ms; 4-bit M = 1 4.7 vs 7.5; M = 4 the tiles: 11.0 vs 18.5).
     _small_m((4,), 1),
+    _small_m((8,), 2),
     Route(bits=(4, 8), groups="any", why="embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), "
           "scales after each group; float16/float32 activations as 2/3 exact bf16 parts (exact)", **_AMX),
-    _small_m((8,), 2),
     # Without AMX, bf16 activations from M = 64 run faster on the AVX-512F kernel's 6 x 64
     # float32 tiles than on vdpbf16ps (Xeon emulating the AVX512-BF16 family, Gemma head:
     # int8 g64 M = 64 91.9 vs 112.0 ms, M = 256 347 vs 446; Q4 g32 90 vs 111, 340 vs 453;
