@@ -15,6 +15,8 @@
    pairs is [K/2][16][2], so 16 column pairs (32 columns) of it are one B tile (16 rows of
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x.
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
+   Prescaled mode (pre, 4-bit, the caller checks exactness once per table): B tiles hold
+   s * (q - z) as two exact bf16 parts (decode_pre), so all of K is one dot, no group epilogue.
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
 #include <string.h>
@@ -222,7 +224,7 @@ static void* run_pre(void* arg) { return run(arg, 1); }
    spans two groups). 0, or -1 when the kernel refused (no tile permission, no memory). */
 int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
              int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads, int pre) {
-    if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2) return -1;
+    if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2 || (pre && bits != 4)) return -1;
     const int64_t G = K / g, NB = (V + 15) / 16, MP = (M + 15) / 16 * 16;
     const int parts = xkind == 1 ? 1 : xkind == 2 ? 2 : 3;
     /* activations as `parts` bf16 matrices [parts][MP][K], padded with zero rows to whole
