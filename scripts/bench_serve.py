@@ -24,9 +24,10 @@ Paths:
   Beside each peer: embedq/peer = embedq's faster activation dtype ÷ the peer (< 1: embedq faster).
 
 ``--emulate avx2|avx512f|avx512_bf16`` re-runs the script as that CPU family
-(EMBEDQ_CPU_FEATURES for embedq, ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY for torch's
-float path): one machine measures every family at or below its own ISA, the same caches
-and memory (an emulation; the output says so).
+(EMBEDQ_CPU_FEATURES for embedq; ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY and
+MKL_ENABLE_INSTRUCTIONS for torch's float path): one machine measures every family at or
+below its own ISA, the same caches and memory (an emulation; the output says so). ORT's
+MLAS has no such cap: its peers run at this CPU's own ISA.
 
     PYTHONPATH=. python scripts/bench_serve.py                        # the default head run
     EMBEDQ_CPU_FEATURES=none PYTHONPATH=. python scripts/bench_serve.py   # the portable C kernel
@@ -73,19 +74,21 @@ from embedq.format.scheme import Scheme  # noqa: E402
 from embedq.format.codec import QuantizedTable  # noqa: E402
 
 # CPU families one machine can stand in for (only families at or below its own ISA):
-# embedq's features, then oneDNN's and ATen's caps for torch's float baseline.
+# embedq's features, then oneDNN's, ATen's and MKL's caps for torch's float baseline. MKL
+# matters: torch's float32 F.linear is MKL's sgemm, which ignores ONEDNN_MAX_CPU_ISA (without
+# the MKL cap the "AVX2" float32 baseline ran AVX-512: 390 vs 521 ms at M = 256 on the AMX Xeon).
 EMULATE = {
-    "avx2": ("avx2,fma,f16c", "AVX2", "avx2"),
-    "avx512f": ("-avx512_bf16,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512"),
-    "avx512_bf16": ("-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE_BF16", "avx512"),
+    "avx2": ("avx2,fma,f16c", "AVX2", "avx2", "AVX2"),
+    "avx512f": ("-avx512_bf16,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512", "AVX512"),
+    "avx512_bf16": ("-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE_BF16", "avx512", "AVX512_E3"),
 }
 
 
 def emulate(family: str) -> None:
     """Re-run this script with ``family``'s environment (the variables are read at start-up)."""
-    feats, onednn, aten = EMULATE[family]
+    feats, onednn, aten, mkl = EMULATE[family]
     env = dict(os.environ, EMBEDQ_CPU_FEATURES=feats, ONEDNN_MAX_CPU_ISA=onednn, ATEN_CPU_CAPABILITY=aten,
-               EMBEDQ_BENCH_EMULATED=family)
+               MKL_ENABLE_INSTRUCTIONS=mkl, EMBEDQ_BENCH_EMULATED=family)
     argv = [a for i, a in enumerate(sys.argv) if a != "--emulate" and (i == 0 or sys.argv[i - 1] != "--emulate")]
     os.execve(sys.executable, [sys.executable, *argv], env)
 
@@ -585,7 +588,7 @@ def main(argv=None) -> int:
                     help="skip the peers (ORT MatMulNBits accuracy 0/4, torch _weight_int8pack_mm)")
     ap.add_argument("--emulate", choices=sorted(EMULATE),
                     help="measure another CPU family on this one: EMBEDQ_CPU_FEATURES for embedq, "
-                         "ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY for torch's float path (same caches "
+                         "ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY / MKL_ENABLE_INSTRUCTIONS for torch's float path (same caches "
                          "and memory: an emulation, said in the output)")
     ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
     ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16, 64])
@@ -603,7 +606,8 @@ def main(argv=None) -> int:
     if os.environ.get("EMBEDQ_BENCH_EMULATED"):
         print(f"EMULATED CPU family {os.environ['EMBEDQ_BENCH_EMULATED']} on this CPU (same caches and memory): "
               + ", ".join(f"{k}={os.environ.get(k)}" for k in ("EMBEDQ_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA",
-                                                                 "ATEN_CPU_CAPABILITY")))
+                                                                 "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"))
+              + "; ORT's MLAS peers are not capped (this CPU's own ISA)")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, torch cpu "
