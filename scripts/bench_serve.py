@@ -84,11 +84,16 @@ EMULATE = {
 }
 
 
+def emulated_env(family: str) -> dict[str, str]:
+    """This process's environment with ``family``'s caps (embedq, oneDNN, ATen, MKL)."""
+    feats, onednn, aten, mkl = EMULATE[family]
+    return dict(os.environ, EMBEDQ_CPU_FEATURES=feats, ONEDNN_MAX_CPU_ISA=onednn, ATEN_CPU_CAPABILITY=aten,
+                MKL_ENABLE_INSTRUCTIONS=mkl, EMBEDQ_BENCH_EMULATED=family)
+
+
 def emulate(family: str) -> None:
     """Re-run this script with ``family``'s environment (the variables are read at start-up)."""
-    feats, onednn, aten, mkl = EMULATE[family]
-    env = dict(os.environ, EMBEDQ_CPU_FEATURES=feats, ONEDNN_MAX_CPU_ISA=onednn, ATEN_CPU_CAPABILITY=aten,
-               MKL_ENABLE_INSTRUCTIONS=mkl, EMBEDQ_BENCH_EMULATED=family)
+    env = emulated_env(family)
     argv = [a for i, a in enumerate(sys.argv) if a != "--emulate" and (i == 0 or sys.argv[i - 1] != "--emulate")]
     os.execve(sys.executable, [sys.executable, *argv], env)
 

@@ -1,0 +1,58 @@
+"""scripts/bench_serve.py --emulate: the float baseline is capped like embedq's kernels.
+
+torch's float32 F.linear is MKL's sgemm where torch is built with MKL, and MKL ignores
+ONEDNN_MAX_CPU_ISA: without MKL_ENABLE_INSTRUCTIONS the "AVX2" float32 baseline ran AVX-512
+on an AMX Xeon (Gemma head M = 256: 390 vs 521 ms) and every AVX2 ratio was too high.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+PROBE = """
+import torch
+from embedq.kernels import build
+a = torch.randn(64, 64)
+a @ a
+print("ATEN", torch.backends.cpu.get_cpu_capability())
+print("EMBEDQ", ",".join(sorted(build.cpu_flags())))
+print("MKL", torch.backends.mkl.is_available())
+"""
+
+
+def _bench_serve():
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the emulated families are x86 ones")
+def test_emulated_avx2_caps_embedq_aten_and_mkl():
+    mod = _bench_serve()
+    env = mod.emulated_env("avx2")
+    env["MKL_VERBOSE"] = "1"
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ", 1)[0] in
+                 ("ATEN", "EMBEDQ", "MKL"))
+    assert lines["ATEN"] in ("AVX2", "DEFAULT"), lines  # DEFAULT: a CPU below AVX2
+    assert not any(f.startswith("avx512") or f.startswith("amx") for f in lines["EMBEDQ"].split(",")), lines
+    if lines["MKL"] == "True":  # MKL says which ISA it dispatched to in its verbose header
+        header = next(line for line in (r.stdout + r.stderr).splitlines() if line.startswith("MKL_VERBOSE oneMKL"))
+        assert "AVX-512" not in header and "AMX" not in header, header
+
+
+def test_every_family_caps_every_float_library():
+    mod = _bench_serve()
+    for family in mod.EMULATE:
+        env = mod.emulated_env(family)
+        for var in ("EMBEDQ_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"):
+            assert env[var], (family, var)
