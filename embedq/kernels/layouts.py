@@ -249,9 +249,10 @@ class Native(Layout):
         sp = self.spec
         return native_head.head(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
 
-    def head_amx(self, x):
+    def head_amx(self, x, prescaled: bool = False):
         sp = self.spec
-        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x,
+                                    prescaled=prescaled)
 
     def head_amx_prescaled(self, x):
         """:meth:`head_amx` with B tiles holding ``s * (q - z)`` as two exact bf16 parts: twice
@@ -259,10 +260,7 @@ class Native(Layout):
         takes :meth:`head_amx`."""
         if getattr(self, "_prescale_exact", None) is None:
             self._prescale_exact = native_head.amx_prescale_exact(self.spec.bits, self.s, self.z)
-        if not self._prescale_exact:
-            return self.head_amx(x)
-        sp = self.spec
-        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x, prescaled=True)
+        return self.head_amx(x, prescaled=self._prescale_exact)
 
     @staticmethod
     def fits_amx(spec) -> str | None:
