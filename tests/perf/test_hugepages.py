@@ -1,0 +1,63 @@
+"""The prepared native layout asks Linux for 2 MiB pages: speed only, the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from embedq.format.codec import QuantizedTable
+from embedq.format.scheme import Scheme
+from embedq.kernels import PreparedTable, native_head
+from embedq.quant.rtn import quantize_rtn
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping holding addr (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            a, b = (int(v, 16) for v in head.split("-"))
+            inside = a <= addr < b
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="this kernel has no transparent huge pages (or they are off)")
+def test_a_large_layout_tensor_is_aligned_and_madvised():
+    t = native_head.huge_empty((native_head.HUGE_MIN_BYTES // 2,), torch.int16)
+    assert t.data_ptr() % native_head.HUGE_PAGE == 0 and t.is_contiguous()
+    assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE took
+    t.fill_(7)
+    assert int(t.sum()) == 7 * t.numel()
+    small = native_head.huge_empty((3, 5), torch.float32)  # below the threshold: torch's own
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (8, 64, False), (8, 0, True)])
+def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, monkeypatch):
+    rows, cols = 3001, 256  # odd rows: the padded last block
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(bits)) * 0.05
+    q, s, zp = quantize_rtn(w, Scheme(bits=bits, symmetric=sym, group_size=group or None), torch.bfloat16)
+    qt = QuantizedTable.from_codes(q, s, zp, bits, group or cols)
+    monkeypatch.setattr(native_head, "HUGE_MIN_BYTES", 1 << 62)
+    plain = PreparedTable.from_table(qt, dtype=torch.bfloat16)
+    monkeypatch.setattr(native_head, "HUGE_MIN_BYTES", 1)  # every tensor takes the mmap path
+    huge = PreparedTable.from_table(qt, dtype=torch.bfloat16)
+    assert plain.layout.name == huge.layout.name == "native"
+    for name in ("w", "s", "z"):
+        a, b = getattr(plain.layout, name), getattr(huge.layout, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert plain.nbytes == huge.nbytes
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(plain.linear(x), huge.linear(x))
+    ids = torch.tensor([0, 17, rows - 1])
+    assert all(torch.equal(a, b) for a, b in zip(plain.layout.rows(ids), huge.layout.rows(ids)) if a is not None)
