@@ -32,14 +32,13 @@ table serves the same layout with :mod:`embedq.kernels.native_f32` (AVX2 or port
 from __future__ import annotations
 
 import ctypes
-import mmap
-import warnings
 from pathlib import Path
 
 import torch
 
 from embedq.format.scheme_units import unit_for
 from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
+from embedq.kernels.hugepages import huge_empty
 
 # The C source beside this module (a real .c file: compilers, linters and diffs read it).
 SOURCE = Path(__file__).with_name("native_bf16.c")
@@ -117,38 +116,6 @@ def amx_prescale_exact(bits: int, s: torch.Tensor, z: torch.Tensor | None) -> bo
     return z is None or bool(((z >= -24) & (z <= 23)).all())  # q in [-8, 7]: |q - z| <= 31
 
 
-# Transparent huge pages for the prepared layout: a head call streams the whole table (90-160
-# MiB for Gemma 3 270M), so with 4 KiB pages every 4 KiB of it is a TLB miss and a new start
-# for the hardware prefetcher's page walk. Linux's default THP mode ("madvise") backs only
-# regions that ask; asking before the first touch gets 2 MiB pages where memory allows
-# (Xeon with AMX, AVX2 build, Gemma-shaped head at M = 1 interleaved with bf16 F.linear:
-# Q4 g32 5.5 -> 5.1-5.3 ms, int8 g64 7.7 -> 6.3 ms; M = 16, compute-bound, unchanged).
-# Smaller tensors keep torch's allocation.
-HUGE_PAGE = 2 << 20
-HUGE_MIN_BYTES = 4 * HUGE_PAGE
-
-
-def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)`` in fresh anonymous memory, 2 MiB-aligned and madvised
-    ``MADV_HUGEPAGE`` (Linux, at least :data:`HUGE_MIN_BYTES`; otherwise, or where madvise
-    fails, a plain allocation: huge pages change speed only, never contents)."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if n < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    # mmap, not torch.empty: malloc may hand back heap pages already touched, which stay 4 KiB
-    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: shmem, no THP
-    off = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
-    if n >= HUGE_PAGE:
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE, off, n // HUGE_PAGE * HUGE_PAGE)
-        except OSError:  # a kernel without THP: 4 KiB pages, same bytes
-            pass
-    with warnings.catch_warnings():  # frombuffer keeps m alive as long as the tensor
-        warnings.simplefilter("ignore")
-        buf = torch.frombuffer(m, dtype=torch.uint8)
-    return buf[off:off + n].view(dtype).view(shape)
-
-
 def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
     """[rows, n, ...] -> [rows_padded / 16, n, 16, ...] (padding rows zero)."""
     pad = rows_padded - t.shape[0]
@@ -201,7 +168,7 @@ def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) 
     lib = LIB.get()
     x = x.contiguous()
     M = x.shape[0]
-    out = torch.empty(M, rows, dtype=torch.bfloat16)
+    out = huge_empty((M, rows), torch.bfloat16)
     lib.head_bf16(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                   bits, rows, cols, group, x.data_ptr(), M, out.data_ptr(), rows,
                   torch.get_num_threads())
@@ -216,7 +183,7 @@ def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tens
     lib = AMX_LIB.get()
     x = x.contiguous()
     M = x.shape[0]
-    out = torch.empty(M, rows, dtype=x.dtype)
+    out = huge_empty((M, rows), x.dtype)
     rc = lib.head_amx(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                       bits, rows, cols, group, x.data_ptr(), SCALE_KIND[x.dtype], M, out.data_ptr(), rows,
                       torch.get_num_threads(), int(prescaled))
