@@ -14,6 +14,9 @@ Paths:
               slow, on CPUs without AVX512-BF16)
   bf16pk      bf16 through oneDNN with the weight reordered once (a baseline: vLLM's CPU
               backend's float head; faster than F.linear at small M)
+  bf16hp, f32hp  F.linear's matmul with the table and each output in 2 MiB pages (baselines:
+              what the float path gets where Linux backs all memory with huge pages, THP
+              "always"; embedq's own tables and large outputs ask for them in every mode)
   S@A         embedq.kernels.PreparedTable.linear for scheme S (``--schemes``: int8 = per
               row, int8g64, q4g32, ...; suffix a = asymmetric; +a8 = prepared under
               EMBEDQ_ACTIVATIONS=int8, e.g. q4g32+a8) with activations A (``--acts``)
@@ -206,7 +209,18 @@ def ort_head(qt: QuantizedTable, accuracy: int):
 
 # The float baselines: the head's "best float path" is the fastest of these at each M.
 FLOATS = {"bf16": "bf16 F.linear", "f32": "f32 F.linear",
-          "bf16pk": "bf16 oneDNN prepacked linear (vLLM CPU's float head)"}
+          "bf16pk": "bf16 oneDNN prepacked linear (vLLM CPU's float head)",
+          "bf16hp": "bf16 F.linear in 2 MiB pages", "f32hp": "f32 F.linear in 2 MiB pages"}
+
+
+def huge_page_linear(w: torch.Tensor):
+    """``F.linear(x, w)`` (the same matmul) with w and every output >= 8 MiB in 2 MiB pages,
+    as Linux gives them under THP "always": embedq's kernels get them in every mode
+    (embedq.kernels.hugepages), so the float path is timed with them too."""
+    from embedq.kernels.hugepages import huge_empty
+    hw = huge_empty(w.shape, w.dtype)
+    hw.copy_(w)
+    return lambda x: torch.matmul(x, hw.t(), out=huge_empty((x.shape[0], hw.shape[0]), x.dtype))
 
 
 def prepacked_linear(w: torch.Tensor):
@@ -301,7 +315,8 @@ def bench_head(args) -> list[dict]:
         print(f"\n== head {shape_name}: {rows} x {cols} on {cpu_model()} (load avg {load()})", flush=True)
         w32 = w.float()
         fns = {"bf16": ("bf16", lambda x, w=w: F.linear(x, w)),
-               "f32": ("f32", lambda x, w=w32: F.linear(x, w))}
+               "f32": ("f32", lambda x, w=w32: F.linear(x, w)),
+               "bf16hp": ("bf16", huge_page_linear(w)), "f32hp": ("f32", huge_page_linear(w32))}
         pk = prepacked_linear(w)
         if pk is not None:  # the float path of vLLM's CPU backend (and of Inductor-frozen graphs)
             fns["bf16pk"] = ("bf16", pk)
@@ -343,7 +358,8 @@ def bench_head(args) -> list[dict]:
                   f"load avg {la0} -> {load()}")
             # bf16 F.linear emulated (no AVX512-BF16): once 2x slower than f32 it only grows
             # with M; dropped for larger M (it can no longer be the faster baseline)
-            drop = [b for b in ("bf16", "bf16pk") if b in med and med[b] > 2 * med["f32"] and not args.keep_bf16]
+            drop = [b for b in ("bf16", "bf16pk", "bf16hp") if b in med and med[b] > 2 * med["f32"]
+                    and not args.keep_bf16]
             for k, ts in times.items():
                 # embedq ÷ each peer over the same table (its best activation dtype)
                 mine = [med[f"{k.split('-')[0]}@{a}"] for a in args.acts if f"{k.split('-')[0]}@{a}" in med]
