@@ -122,7 +122,7 @@ def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
     if pad:
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
     t = t.view(rows_padded // BLOCK, BLOCK, *t.shape[1:]).transpose(1, 2)
-    out = huge_empty(t.shape, t.dtype)
+    out = huge_empty(t.shape, t.dtype, table=True)
     out.copy_(t)
     return out
 
@@ -133,7 +133,7 @@ def pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | N
     unit = unit_for(bits)
     rows, pair = packed.shape[0], unit.native_pair_bytes
     nb = -(-rows // BLOCK)
-    w = huge_empty((nb, cols // 2, BLOCK, pair), getattr(torch, unit.native_dtype))
+    w = huge_empty((nb, cols // 2, BLOCK, pair), getattr(torch, unit.native_dtype), table=True)
     step = max(BLOCK, step_rows // BLOCK * BLOCK)
     for a in range(0, rows, step):
         b = min(rows, a + step)
