@@ -218,7 +218,7 @@ def huge_page_linear(w: torch.Tensor):
     as Linux gives them under THP "always": embedq's kernels get them in every mode
     (embedq.kernels.hugepages), so the float path is timed with them too."""
     from embedq.kernels.hugepages import huge_empty
-    hw = huge_empty(w.shape, w.dtype)
+    hw = huge_empty(w.shape, w.dtype, table=True)
     hw.copy_(w)
     return lambda x: torch.matmul(x, hw.t(), out=huge_empty((x.shape[0], hw.shape[0]), x.dtype))
 
