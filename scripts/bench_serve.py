@@ -37,8 +37,8 @@ MLAS has no such cap: its peers run at this CPU's own ISA.
 
 Whole-model sections, Gemma 3 270M (the fixture of scripts/make_gemma3_fixture.py, copied
 and quantized under --workdir), models ``float`` (bf16), ``int8`` (per row), ``int8g64``, ``q4g32``
-and ``q4g32+a8`` (the q4g32 copy loaded under EMBEDQ_ACTIVATIONS=int8: int8 activations),
-timed interleaved (round-robin, starting model rotated each round), medians, ratios to
+and ``q4g32+a8`` (the q4g32 copy loaded under EMBEDQ_ACTIVATIONS=int8: int8 activations;
+``--models`` picks some, float always), timed interleaved (round-robin, starting model rotated each round), medians, ratios to
 ``float``, load average per round:
 
   hf    transformers ``generate`` (greedy, KV cache, batches ``--hf-batches``): decode tokens/s
@@ -386,8 +386,9 @@ MODELS = {"float": None, "int8": dict(bits=8, group_size=0), "int8g64": dict(bit
 PROMPT = [2, 651, 6037, 529, 9405, 563, 496, 3207]  # <bos> + 7 tokens (any ids will do)
 
 
-def gemma_models(workdir: Path) -> dict[str, Path]:
-    """float / int8 / q4g32 copies of the Gemma 3 270M fixture (quantized once, reused)."""
+def gemma_models(workdir: Path, names=None) -> dict[str, Path]:
+    """Copies of the Gemma 3 270M fixture for ``names`` of :data:`MODELS` (all when None;
+    ``float``, the baseline, always first), quantized once and reused."""
     import shutil
     import importlib.util
     spec = importlib.util.spec_from_file_location(
@@ -395,10 +396,12 @@ def gemma_models(workdir: Path) -> dict[str, Path]:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     src = Path(mod.ensure_gemma3_270m())
+    want = ["float", *(n for n in (names or MODELS) if n != "float")]
     out = {}
-    for name, qkw in MODELS.items():
+    for name in want:
+        qkw = MODELS[name]
         if isinstance(qkw, str):  # the same files, loaded another way
-            out[name] = out[qkw]
+            out[name] = out.get(qkw) or gemma_models(workdir, [qkw])[qkw]
             continue
         d = workdir / f"gemma3-270m-{name}"
         if not (d / ".bench-ok").exists():
@@ -432,7 +435,7 @@ def bench_hf(args) -> list[dict]:
     """transformers generate, KV cache, greedy, batches ``--hf-batches``: decode tokens/s."""
     import transformers
     import embedq
-    paths = gemma_models(args.workdir)
+    paths = gemma_models(args.workdir, args.models)
     rows = []
     for dname in args.hf_dtypes:
         rows += _bench_hf_dtype(args, transformers, embedq, paths, dname)
@@ -517,7 +520,7 @@ for line in sys.stdin:
 def bench_vllm(args) -> list[dict]:
     """vLLM engine LLM.generate, one long-lived engine process per model, driven in turn."""
     import subprocess
-    paths = gemma_models(args.workdir)
+    paths = gemma_models(args.workdir, args.models)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
@@ -611,6 +614,8 @@ def main(argv=None) -> int:
                     help="measure another CPU family on this one: EMBEDQ_CPU_FEATURES for embedq, "
                          "ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY / MKL_ENABLE_INSTRUCTIONS for torch's float path (same caches "
                          "and memory: an emulation, said in the output)")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                    help="whole-model sections: the models timed (default all; float, the baseline, always)")
     ap.add_argument("--new-tokens", type=int, default=32, help="whole-model sections")
     ap.add_argument("--engine-batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--hf-batches", nargs="+", type=int, default=[1, 8])
