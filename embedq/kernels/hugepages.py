@@ -45,9 +45,9 @@ def huge_empty(shape, dtype: torch.dtype, *, table: bool = False) -> torch.Tenso
     if table:  # private: a shared anonymous map is shmem, where THP is off by default
         m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         off = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE, off, n // HUGE_PAGE * HUGE_PAGE)
-        except OSError:  # a kernel without THP
+        try:  # (a Python built without MADV_HUGEPAGE, a kernel without THP: 4 KiB pages)
+            m.madvise(getattr(mmap, "MADV_HUGEPAGE", _MADV_HUGEPAGE), off, n // HUGE_PAGE * HUGE_PAGE)
+        except (OSError, AttributeError):
             pass
         with warnings.catch_warnings():  # frombuffer keeps m alive as long as the tensor
             warnings.simplefilter("ignore")
