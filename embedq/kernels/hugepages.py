@@ -1,4 +1,4 @@
-"""2 MiB pages for what the CPU kernels stream: the prepared tables and large outputs.
+"""2 MiB pages for what the CPU kernels stream: the prepared tables and the AMX kernel's outputs.
 
 Why: at M >= 16 a head call writes an output of the table's order (M x 262,144 logits for
 Gemma 3 270M: 134 MB at M = 256), freshly allocated per call, so with 4 KiB pages it pays a
@@ -6,9 +6,11 @@ page fault per 4 KiB and a TLB miss per row block it stores. Linux's default mod
 transparent huge pages ("madvise") backs only regions that ask; asking before the first
 touch gets 2 MiB pages where memory allows. Measured on a Xeon with AMX (Gemma-shaped head,
 interleaved, docs/performance.md): M = 256 Q4 g32 96.5 -> 79.0 ms, int8 g64 93.9 -> 76.8;
-M = 64 Q4 g32 29.2 -> 26.7. The tables (read whole at every call) take them too; at M = 1
-that measured within the run-to-run noise. Contents never change; where Linux has no THP
-the allocation is plain.
+M = 64 Q4 g32 29.2 -> 26.7. The other kernels (AVX2, AVX-512F, vdpbf16ps: compute-bound at
+those M) measured 1-2 % slower with them (two threads faulting the same 2 MiB pages), so their
+outputs stay torch's. The tables (read whole at every call) take them too; at M = 1 that
+measured within the run-to-run noise. Contents never change; where Linux has no THP the
+allocation is plain.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
-from embedq.kernels.hugepages import huge_empty
 
 SOURCE = Path(__file__).with_name("native_f32.c")
 _COMMON = ["-O3", "-shared", "-fPIC", "-pthread", "-std=gnu11"]
@@ -80,7 +79,7 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
         raise RuntimeError(lib.unavailable())
     xf = x.to(torch.float32).contiguous()  # exact from bf16 / f16: once per call
     M = xf.shape[0]
-    out = huge_empty((M, rows), x.dtype)
+    out = torch.empty(M, rows, dtype=x.dtype)
     rc = so.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                      bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
                      torch.get_num_threads())
@@ -98,7 +97,7 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
         raise RuntimeError(lib.unavailable())
     xf = x.to(torch.float32).contiguous()
     M = xf.shape[0]
-    out = huge_empty((M, rows), x.dtype)
+    out = torch.empty(M, rows, dtype=x.dtype)
     rc = so.head_q4a8(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                       rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
                       torch.get_num_threads())

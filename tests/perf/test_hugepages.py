@@ -46,7 +46,7 @@ def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, m
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(bits)) * 0.05
     q, s, zp = quantize_rtn(w, Scheme(bits=bits, symmetric=sym, group_size=group or None), torch.bfloat16)
     qt = QuantizedTable.from_codes(q, s, zp, bits, group or cols)
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # AMX: M >= 16
     ids = torch.tensor([0, 17, rows - 1])
     monkeypatch.setattr(hugepages, "HUGE_MIN_BYTES", 1 << 62)  # torch's allocations throughout
     plain = PreparedTable.from_table(qt, dtype=torch.bfloat16)
@@ -61,8 +61,8 @@ def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, m
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert plain.nbytes == huge.nbytes
     out = huge.linear(x)
-    if huge.last_kernel.startswith("native_"):  # a C kernel ran (not the chunked reference)
-        assert out.data_ptr() % hugepages.HUGE_PAGE == 0, huge.last_kernel  # its output: huge_empty
+    if huge.last_kernel.startswith("native_amx"):  # the AMX kernel's output comes from huge_empty
+        assert out.data_ptr() % hugepages.HUGE_PAGE == 0, huge.last_kernel
     assert torch.equal(out, ref_out)
     for a, b in zip(ref_rows, huge.layout.rows(ids)):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
