@@ -26,6 +26,11 @@ Paths:
   S-torch8    torch's _weight_int8pack_mm (int8 per-row tables, bf16 activations)
   Beside each peer: embedq/peer = embedq's faster activation dtype ÷ the peer (< 1: embedq faster).
 
+``--cold`` reads twice the L3 before every timed call (every path alike, not timed): each
+table is read from memory, as in a decode step. By default (warm) the round-robin leaves part
+of the previous table in the cache; on a large-L3 machine that favours the paths whose tables
+stay (the compute-bound ones gain nothing from it).
+
 ``--emulate avx2|avx512f|avx512_bf16`` re-runs the script as that CPU family
 (EMBEDQ_CPU_FEATURES for embedq; ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY and
 MKL_ENABLE_INSTRUCTIONS for torch's float path): one machine measures every family at or
@@ -247,8 +252,38 @@ def torch_int8pack_head(qt: QuantizedTable):
     return lambda x: torch._weight_int8pack_mm(x, codes, scale)
 
 
-def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set) -> dict[str, list[float]]:
-    """Round-robin timing; paths in ``slow`` run only in the first ``n_slow`` rounds."""
+def l3_bytes() -> int:
+    """The last-level cache's size as this machine reports it (0 when unknown)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            t = f.read_text().strip()
+            sizes.append(int(t[:-1]) << {"K": 10, "M": 20, "G": 30}[t[-1]] if t[-1] in "KMG" else int(t))
+        except (OSError, ValueError, KeyError):
+            pass
+    return max(sizes, default=0)
+
+
+class Evict:
+    """Reads a buffer of twice the last-level cache before a timed call (``--cold``): every
+    path then reads its table from memory, as in a decode step, where the model's other
+    weights and the KV cache pass through the cache between two head calls. Without it the
+    round-robin leaves part of the last table read in the cache (a 480 MiB L3 holds a whole
+    4-bit head), which favours whichever path's table happens to stay."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.ones(nbytes // 4, dtype=torch.float32) if nbytes else None
+
+    def __call__(self):
+        # read, not written: dirty lines would be written back during the timed call
+        if self.buf is not None:
+            self.buf.sum()
+
+
+def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set,
+                 evict: Evict | None = None) -> dict[str, list[float]]:
+    """Round-robin timing; paths in ``slow`` run only in the first ``n_slow`` rounds; with
+    ``evict``, the cache is flushed before every timed call (not timed)."""
     names = list(fns)
     times = {k: [] for k in names}
     with torch.inference_mode():
@@ -259,6 +294,8 @@ def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set) -> 
             for k in order:
                 if k in slow and r >= n_slow:
                     continue
+                if evict is not None:
+                    evict()
                 t0 = time.perf_counter()
                 fns[k](x)
                 times[k].append(time.perf_counter() - t0)
@@ -344,16 +381,21 @@ def bench_head(args) -> list[dict]:
             gc.collect()
         # the chunked reference, and MLAS's exact 8-bit path (onnxruntime #24491), are slow
         slow = {k for k in fns if k.endswith("-ref") or (k.startswith("int8") and k.endswith("-ort0"))}
+        nev = 2 * l3_bytes() or 1 << 30  # 1 GiB where the cache size is not reported
+        evict = Evict(nev) if args.cold else None
+        if args.cold:
+            print(f"   cold: {nev / 2**20:.0f} MiB read before every timed call (2x the L3 this machine "
+                  f"reports), so each path reads its table from memory", flush=True)
         dts = {"bf16": torch.bfloat16, "f32": torch.float32}
         for m in args.batches:
             xs = {a: hidden[:m].to(dts[a]).contiguous() for a in dts}
             la0 = load()
             times = timed_rounds({k: (lambda _x, f=f, a=a: f(xs[a])) for k, (a, f) in fns.items()},
-                                 None, args.n, args.n_ref, slow)
+                                 None, args.n, args.n_ref, slow, evict)
             med = {k: statistics.median(ts) for k, ts in times.items()}
             best = min((b for b in FLOATS if b in med), key=med.get)
             base = med[best]
-            print(f"-- batch {m}: median of {args.n}; baseline = {FLOATS[best]} "
+            print(f"-- batch {m}{' (cold)' if args.cold else ''}: median of {args.n}; baseline = {FLOATS[best]} "
                   f"({', '.join(f'{b} {med[b] * 1e3:.1f} ms' for b in FLOATS if b in med)}); "
                   f"load avg {la0} -> {load()}")
             # bf16 F.linear emulated (no AVX512-BF16): once 2x slower than f32 it only grows
@@ -366,7 +408,7 @@ def bench_head(args) -> list[dict]:
                 vs = f"   embedq/{k.split('-', 1)[1]} {min(mine) / med[k]:.2f}" if "-" in k and mine else ""
                 print(f"   {k:14s} {med[k] * 1e3:9.1f} ms  {med[k] / base:6.2f}x best float   "
                       f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)}){vs}", flush=True)
-                results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m,
+                results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m, cold=args.cold,
                                     path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
                                     baseline=best, cpu=cpu_model(), n=len(ts),
                                     loadavg_before=la0, loadavg_after=load()))
@@ -608,6 +650,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-ref", type=int, default=3, help="rounds for the slow reference paths")
     ap.add_argument("--ref", action="store_true", help="also time the chunked reference path (slow)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cold", action="store_true",
+                    help="head section: flush the cache (read 2x the L3) before every timed call, every "
+                         "path alike: tables from memory, as in a decode step (default: warm, round-robin)")
     ap.add_argument("--no-peers", action="store_true",
                     help="skip the peers (ORT MatMulNBits accuracy 0/4, torch _weight_int8pack_mm)")
     ap.add_argument("--emulate", choices=sorted(EMULATE),

@@ -268,11 +268,7 @@ class Native(Layout):
 
     @staticmethod
     def fits_amx_prescaled(spec) -> str | None:
-        """The prescaled tiles pay off where a group is one tile (g = 32: an epilogue per
-        tile dot otherwise); exact for 4-bit codes with f16 / bf16 scales."""
-        if spec.bits != 4 or spec.group != 32 or spec.scale_dtype not in (torch.float16, torch.bfloat16):
-            return f"{spec.bits}-bit g{spec.group} {spec.scale_dtype}: only 4-bit g32 with f16/bf16 scales"
-        return native_head.amx_fits(spec.cols, spec.group)
+        return native_head.amx_prescale_fits(spec.bits, spec.cols, spec.group, spec.scale_dtype)
 
     @staticmethod
     def head_f32(lib):

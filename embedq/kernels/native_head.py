@@ -104,11 +104,28 @@ def amx_fits(cols: int, group: int) -> str | None:
     return None if cols % 32 == 0 and group % 32 == 0 else f"columns/group ({cols}/{group}) not multiples of 32"
 
 
+def _prescale_static(bits: int, scale_dtype: torch.dtype) -> str | None:
+    """The prescaled tiles' conditions known from the scheme: ``s * (q - z)`` has at most
+    16 significant bits only for 4-bit codes (|q - z| < 32) times f16 / bf16 scales."""
+    if bits != 4 or scale_dtype not in (torch.float16, torch.bfloat16):
+        return f"{bits}-bit codes, {scale_dtype} scales: s * (q - z) is two exact bf16 parts only for 4-bit, f16/bf16"
+    return None
+
+
+def amx_prescale_fits(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str | None:
+    """Why the prescaled AMX tiles cannot serve a scheme (None: they can, where
+    :func:`amx_prescale_exact` holds for the table): they pay off where a group is one tile
+    (g = 32: an epilogue per tile dot otherwise)."""
+    if group != 32:
+        return f"group {group}: the prescaled tiles pay off at g32 only"
+    return _prescale_static(bits, scale_dtype) or amx_fits(cols, group)
+
+
 def amx_prescale_exact(bits: int, s: torch.Tensor, z: torch.Tensor | None) -> bool:
     """Whether every ``s * (q - z)`` of a 4-bit table is two bf16 parts exactly (the
     prescaled AMX tiles): at most 16 significant bits (f16 / bf16 scales, |q - z| < 32) and
     no part subnormal (AMX flushes those): finite scales of magnitude 0 or >= 2^-100."""
-    if bits != 4 or s.dtype not in (torch.float16, torch.bfloat16):
+    if _prescale_static(bits, s.dtype) is not None:
         return False
     a = s.float().abs()
     if not bool(torch.isfinite(a).all()) or bool(((a > 0) & (a < 2.0 ** -100)).any()):
@@ -192,4 +209,4 @@ def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tens
     return out
 
 
-__all__ = ["AMX_LIB", "amx_fits", "amx_prescale_exact", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]
+__all__ = ["AMX_LIB", "amx_fits", "amx_prescale_exact", "amx_prescale_fits", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]

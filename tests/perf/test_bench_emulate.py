@@ -56,3 +56,26 @@ def test_every_family_caps_every_float_library():
         env = mod.emulated_env(family)
         for var in ("EMBEDQ_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"):
             assert env[var], (family, var)
+
+
+def test_cold_rounds_flush_before_every_timed_call(monkeypatch):
+    """--cold: the evicting read runs before every timed call of every path (not in the
+    warm-up), and is sized from the L3 this machine reports."""
+    bs = _bench_serve()
+    calls = []
+
+    class Spy(bs.Evict):
+        def __call__(self):
+            calls.append("evict")
+            super().__call__()
+
+    ev = Spy(1 << 20)
+    fns = {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}
+    times = bs.timed_rounds(fns, None, 3, 3, set(), ev)
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    assert calls[:2] in (["a", "b"], ["b", "a"])  # the warm-up, not flushed
+    timed = calls[2:]
+    assert len(timed) == 12 and all(timed[i] == "evict" and timed[i + 1] != "evict" for i in range(0, 12, 2))
+    if Path("/sys/devices/system/cpu/cpu0/cache/index3/size").exists():
+        assert bs.l3_bytes() >= 1 << 20
+    assert bs.Evict(0).buf is None  # no cache size known: warm rounds
