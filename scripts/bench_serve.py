@@ -7,7 +7,8 @@ shapes), one forward of the head (logits = x @ W^T) per call at M = ``--batches`
 every path is timed interleaved in the same loop (round-robin, starting path rotated
 each round) so that load from other processes hits all paths alike. Printed: the CPU
 model and ISA level, the kernel variant each table got, medians, ratios to the FASTEST
-of the float baselines at that M, and the load average.
+of the float baselines at that M, the load average and the hypervisor's steal time (a VM's
+load average does not show a neighbour's burst).
 
 Paths:
   bf16, f32   F.linear with a bf16 / a float32 table (baselines: bf16 is emulated, hence
@@ -139,6 +140,24 @@ def parse_scheme(name: str) -> Scheme:
 
 def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of the whole machine (/proc/stat; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+        return (v[7] if len(v) > 7 else 0), sum(v[:8])
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def steal_since(t0: tuple[int, int]) -> float:
+    """Percent of CPU time the hypervisor gave to other guests since ``t0`` (a VM's load
+    average does not show it: a neighbour's burst slows every path of a round alike only
+    when it lasts the whole round, so it is printed beside each batch's figures)."""
+    s1, t1 = cpu_ticks()
+    return 100.0 * (s1 - t0[0]) / max(1, t1 - t0[1])
 
 
 def synthetic_table(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -389,7 +408,7 @@ def bench_head(args) -> list[dict]:
         dts = {"bf16": torch.bfloat16, "f32": torch.float32}
         for m in args.batches:
             xs = {a: hidden[:m].to(dts[a]).contiguous() for a in dts}
-            la0 = load()
+            la0, st0 = load(), cpu_ticks()
             times = timed_rounds({k: (lambda _x, f=f, a=a: f(xs[a])) for k, (a, f) in fns.items()},
                                  None, args.n, args.n_ref, slow, evict)
             med = {k: statistics.median(ts) for k, ts in times.items()}
@@ -397,7 +416,7 @@ def bench_head(args) -> list[dict]:
             base = med[best]
             print(f"-- batch {m}{' (cold)' if args.cold else ''}: median of {args.n}; baseline = {FLOATS[best]} "
                   f"({', '.join(f'{b} {med[b] * 1e3:.1f} ms' for b in FLOATS if b in med)}); "
-                  f"load avg {la0} -> {load()}")
+                  f"load avg {la0} -> {load()}; steal {steal_since(st0):.1f} %")
             # bf16 F.linear emulated (no AVX512-BF16): once 2x slower than f32 it only grows
             # with M; dropped for larger M (it can no longer be the faster baseline)
             drop = [b for b in ("bf16", "bf16pk", "bf16hp") if b in med and med[b] > 2 * med["f32"]
@@ -411,7 +430,7 @@ def bench_head(args) -> list[dict]:
                 results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m, cold=args.cold,
                                     path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
                                     baseline=best, cpu=cpu_model(), n=len(ts),
-                                    loadavg_before=la0, loadavg_after=load()))
+                                    loadavg_before=la0, loadavg_after=load(), steal_pct=steal_since(st0)))
             for b in drop:
                 print(f"   ({FLOATS[b]} > 2x f32 F.linear: not timed at larger M; --keep-bf16 times it)")
                 fns.pop(b)
@@ -462,7 +481,7 @@ def summarize(section: str, label: str, times: dict[str, list[float]], work: flo
     """Print medians (tokens/s = work / time) and ratios to ``float``."""
     base = work / statistics.median(times["float"])
     print(f"-- {section} {label}: median of {len(times['float'])}; load avg per round: "
-          f"{'; '.join(loads)}")
+          f"{'; '.join(loads)}; steal {extra.get('steal_pct', 0.0):.1f} %")
     rows = []
     for k, ts in times.items():
         tps = work / statistics.median(ts)
@@ -516,6 +535,7 @@ def _bench_hf_dtype(args, transformers, embedq, paths, dname) -> list[dict]:
         with torch.inference_mode():
             for k in names:
                 outs[k] = gen(models[k])[0, len(PROMPT):].tolist()  # warm-up
+            st0 = cpu_ticks()
             for r in range(args.n):
                 loads.append(load().split()[0])
                 for k in names[r % len(names):] + names[:r % len(names)]:
@@ -526,7 +546,7 @@ def _bench_hf_dtype(args, transformers, embedq, paths, dname) -> list[dict]:
             same = sum(a == b for a, b in zip(outs[k], outs["float"]))
             print(f"   batch {batch}: {k}: {same}/{n} greedy tokens (first sequence) equal to float's")
         rows += summarize("hf", f"{dname} batch {batch}", times, n * batch, loads,
-                          dict(new_tokens=n, batch=batch, dtype=dname, cpu=cpu_model()))
+                          dict(new_tokens=n, batch=batch, dtype=dname, cpu=cpu_model(), steal_pct=steal_since(st0)))
     del models
     gc.collect()
     return rows
@@ -609,7 +629,7 @@ def bench_vllm(args) -> list[dict]:
                 same = sum(a == b for a, b in zip(firsts[k], firsts["float"]))
                 print(f"   batch {batch}: {k} {same}/{args.new_tokens} greedy tokens equal to float's")
             times = {k: [] for k in names}
-            loads = []
+            loads, st0 = [], cpu_ticks()
             for r in range(args.n):
                 loads.append(load().split()[0])
                 for k in names[r % len(names):] + names[:r % len(names)]:
@@ -617,7 +637,7 @@ def bench_vllm(args) -> list[dict]:
                     assert res["tokens"] == batch * args.new_tokens
                     times[k].append(res["s"])
             results += summarize("vllm", f"batch {batch}", times, batch * args.new_tokens, loads,
-                                 dict(batch=batch, new_tokens=args.new_tokens))
+                                 dict(batch=batch, new_tokens=args.new_tokens, steal_pct=steal_since(st0)))
         return results
     finally:
         for p in procs.values():

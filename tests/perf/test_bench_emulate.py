@@ -79,3 +79,13 @@ def test_cold_rounds_flush_before_every_timed_call(monkeypatch):
     if Path("/sys/devices/system/cpu/cpu0/cache/index3/size").exists():
         assert bs.l3_bytes() >= 1 << 20
     assert bs.Evict(0).buf is None  # no cache size known: warm rounds
+
+
+def test_steal_time_is_a_percentage():
+    """The steal time printed beside each batch (a neighbour's burst on the host)."""
+    bs = _bench_serve()
+    t0 = bs.cpu_ticks()
+    sum(range(10**6))
+    assert 0.0 <= bs.steal_since(t0) <= 100.0
+    if Path("/proc/stat").exists():
+        assert t0[1] > 0
