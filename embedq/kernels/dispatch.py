@@ -70,10 +70,10 @@ _AMX = dict(layout=Native, device="cpu", acts=(BF16, F16, F32), m_max=None, kern
             lib=native_head.AMX_LIB, isa="amx_bf16", fits=Native.fits_amx)
 
 
-def _small_m(bits: tuple[int, ...], m_max: int) -> "Route":
-    return Route(Native, "cpu", bits, "any", (BF16,), m_max, "native_avx512f", _AVX512F_HEAD,
-                 "the AVX-512F kernel for bf16 activations at small M (memory-bound: the table read at speed)",
-                 _F32["avx512f"], "avx512f")
+def _small_m(bits: tuple[int, ...], m_max: int, acts=(BF16,)) -> "Route":
+    return Route(Native, "cpu", bits, "any", acts, m_max, "native_avx512f", _AVX512F_HEAD,
+                 f"the AVX-512F kernel for {'/'.join(str(a)[6:] for a in acts)} activations at small M "
+                 "(memory-bound: the table read at speed)", _F32["avx512f"], "avx512f")
 
 
 ROUTES: tuple[Route, ...] = (
@@ -105,6 +105,12 @@ ROUTES: tuple[Route, ...] = (
     # vs 10.6 / 10.8 ms; 4-bit M = 1 4.7 vs 7.5; M = 4 the tiles: 11.0 vs 18.5).
     _small_m((4,), 1),
     _small_m((8,), 2),
+    # float16 / float32 activations at M <= 2: the AMX kernel splits them into 2 / 3 bf16
+    # parts, each a full tile pass; the AVX-512F kernel reads them as they are (Xeon with
+    # AMX, Gemma head, table from memory: float32 int8 g64 M = 1 / 2 5.9 / 7.2 vs 12.8 / 13.0
+    # ms, Q4 g32 6.4 / 7.2 vs 10.2 / 10.5; float16 int8 g64 6.0 / 7.5 vs 12.0 / 12.3, Q4 g32
+    # 4.6 / 7.3 vs 9.5 / 9.4; M = 4 the tiles: 13.2 vs 16.6 (f32 int8 g64), 9.9 vs 14.1)
+    _small_m((4, 8), 2, (F16, F32)),
     Route(bits=(4, 8), groups="any", why="embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), "
           "scales after each group; float16/float32 activations as 2/3 exact bf16 parts (exact)", **_AMX),
     # Without AMX, bf16 activations from M = 64 run faster on the AVX-512F kernel's 6 x 64
