@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def _vm_flags(addr: int) -> list[str]:
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
                     reason="this kernel has no transparent huge pages (or they are off)")
 def test_a_large_layout_tensor_is_aligned_and_madvised():
-    t = hugepages.huge_empty((hugepages.HUGE_MIN_BYTES // 2,), torch.int16)
+    t = hugepages.huge_empty((max(hugepages.HUGE_MIN_BYTES, hugepages.HUGE_MIN_OUTPUT) // 2,), torch.int16)
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0 and t.is_contiguous()
     assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE took
     t.fill_(7)
@@ -52,6 +53,7 @@ def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, m
     plain = PreparedTable.from_table(qt, dtype=torch.bfloat16)
     ref_out, ref_rows = plain.linear(x), plain.layout.rows(ids)
     monkeypatch.setattr(hugepages, "HUGE_MIN_BYTES", 1)  # every tensor (and output) on the mmap path
+    monkeypatch.setattr(hugepages, "HUGE_MIN_OUTPUT", 1)
     huge = PreparedTable.from_table(qt, dtype=torch.bfloat16)
     assert plain.layout.name == huge.layout.name == "native"
     for name in ("w", "s", "z"):
@@ -66,3 +68,14 @@ def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, m
     assert torch.equal(out, ref_out)
     for a, b in zip(ref_rows, huge.layout.rows(ids)):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_outputs_below_the_output_floor_keep_torch_allocation():
+    """Outputs below HUGE_MIN_OUTPUT (2 MiB pages measured slower there) are plain tensors;
+    tables from HUGE_MIN_BYTES on."""
+    n = hugepages.HUGE_MIN_OUTPUT // 2 // 2  # half the floor, in int16
+    out = hugepages.huge_empty((n,), torch.int16)
+    tab = hugepages.huge_empty((n,), torch.int16, table=True)
+    assert out.untyped_storage().nbytes() == n * 2  # torch.empty: no oversized view
+    if sys.platform.startswith("linux") and n * 2 >= hugepages.HUGE_MIN_BYTES:
+        assert tab.data_ptr() % hugepages.HUGE_PAGE == 0
