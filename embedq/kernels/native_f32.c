@@ -23,14 +23,15 @@
    dot with float32 activations (converted by the caller, exactly, from bf16/f16) then
    differs from F.linear only in summation order.
 
-   M <= 2 (AVX2): decoded in registers, scale after each group's dot (direct8/direct4);
+   M <= 4 (AVX2): decoded in registers, scale after each group's dot (direct8/direct4), two
+   rows at a time (M = 3-4 in passes over L2-sized chunks of blocks: run_direct);
    4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
-   M > 2: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
+   M > 4: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
    (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
    activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
    2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel; the AVX-512 build
    runs a whole super-block per tile, 6 x 64: 24 of 32 zmm, eq_f32micro.h). Each weight byte
-   is read and decoded once per call at every M. */
+   is read from memory once per call at every M. */
 
 #include <stdint.h>
 #include <string.h>
@@ -178,7 +179,7 @@ static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
 }
 
 #if EQ_AVX2
-/* ---- M <= 2 (decode-bound: the common decode batch): codes decoded in registers ----
+/* ---- M <= 4 (decode-bound: the common decode batch), two rows per pass: codes decoded in registers ----
    No scratch round trip: each code is widened and converted once and used by the nm rows
    right away; the group's scale is applied after its dot and asymmetric rows subtract
    z * sum(x_group) first (x . ((q - z) s) = s (x . q - z sum x): the reference value up to
