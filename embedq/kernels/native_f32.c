@@ -23,10 +23,10 @@
    dot with float32 activations (converted by the caller, exactly, from bf16/f16) then
    differs from F.linear only in summation order.
 
-   M <= 4 (AVX2): decoded in registers, scale after each group's dot (direct8/direct4), two
-   rows at a time (M = 3-4 in passes over L2-sized chunks of blocks: run_direct);
+   M <= 4 (4-bit) / 8 (int8) (AVX2): decoded in registers, scale after each group's dot (direct8/direct4), two
+   rows at a time (M > 2 in passes over L2-sized chunks of blocks: run_direct);
    4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
-   M > 4: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
+   Larger M: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
    (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
    activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
    2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel; the AVX-512 build
@@ -65,7 +65,12 @@
 #define EQ_VNNI 0
 #endif
 
-enum { RB = 16, SB = 4, KC = 256, MR = 6, PASS_M = 4 /* the direct path's largest M (run_direct) */ };
+enum { RB = 16, SB = 4, KC = 256, MR = 6 };
+/* The direct path's largest M (run_direct; passes of two rows from L2 against the tiles, Xeon,
+   Gemma head from memory, AVX2 / AVX-512F builds: int8 g64 M = 6 17.9 / 17.5 vs 21.4 / 20.4 ms,
+   M = 8 22.8 / 22.6 vs 27.2 / 26.5, M = 12 equal or slower; 4-bit M = 5-6 +-5 % in the AVX2 build,
+   ~20 % slower in the AVX-512F one). */
+static inline int64_t pass_m(int bits) { return bits == 8 ? 8 : 4; }
 
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
@@ -179,7 +184,7 @@ static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
 }
 
 #if EQ_AVX2
-/* ---- M <= 4 (decode-bound: the common decode batch), two rows per pass: codes decoded in registers ----
+/* ---- small M (decode-bound: the common decode batch), two rows per pass: codes decoded in registers ----
    No scratch round trip: each code is widened and converted once and used by the nm rows
    right away; the group's scale is applied after its dot and asymmetric rows subtract
    z * sum(x_group) first (x . ((q - z) s) = s (x . q - z sum x): the reference value up to
@@ -325,7 +330,7 @@ static void direct_blocks(const job_t* j, int64_t b0, int64_t b1) {
     }
 }
 
-/* M <= PASS_M: the rows in passes of two over chunks of blocks that stay in L2 (~256 KiB of
+/* M <= pass_m(bits): the rows in passes of two over chunks of blocks that stay in L2 (~256 KiB of
    codes), so each block is read from memory once and the later passes find it in L2. The
    tiles below decode into a float32 scratch and were bound by that at M = 3-4 (Xeon, AVX-512F
    build, Gemma head from memory: int8 M = 3 20.3 ms against 6.9 at M = 2). */
@@ -352,7 +357,7 @@ static void* run(void* arg) {
     job_t* j = (job_t*)arg;
     const int64_t M = j->M, K = j->K, LDA = SB * RB;
 #if EQ_AVX2
-    if (M <= PASS_M) { run_direct(j); return NULL; }
+    if (M <= pass_m(j->bits)) { run_direct(j); return NULL; }
 #endif
     float* scratch = malloc(sizeof(float) * SB * KC * RB);
     float* acc = malloc(sizeof(float) * M * LDA);
@@ -393,7 +398,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
     float* xs = NULL;  /* per-group sums of x: the zero-point term of the direct path */
-    if (z && M <= PASS_M) {
+    if (z && M <= pass_m(bits)) {
         xs = malloc(sizeof(float) * M * (K / g));
         if (!xs) return 1;
         eq_group_sums(x, 0, M, K, g, xs);

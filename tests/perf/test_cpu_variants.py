@@ -46,7 +46,7 @@ SELECT = {isa: ",".join(r.lib.needs) or "none" for isa, r in VARIANTS.items()}
 SCHEMES = [(b, g, s, r, c) for (b, s), (g, r, c) in itertools.product(
     itertools.product((8, 4), (True, False)),
     [(None, 1001, 192), (32, 1001, 96), (64, 777, 192), (128, 531, 384)])]
-MS = (1, 2, 3, 4, 8, 17, 64)  # 3, 4: the direct path in passes of two rows
+MS = (1, 2, 3, 4, 7, 8, 9, 17, 64)  # 3-8: the direct path in passes of two rows (int8 to 8, 4-bit to 4)
 # every scheme with bf16 scales; f16 / f32 scales (their own decode paths) on a subset
 CASES = [(sd, *c) for c in SCHEMES for sd in (BF,)] + [
     (sd, *c) for c in SCHEMES if c[2] is False and c[1] in (None, 32) for sd in (F16, F32)]
