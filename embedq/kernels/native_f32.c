@@ -346,7 +346,6 @@ static void run_direct(const job_t* j) {
             p.x = j->x + m0 * j->K;
             p.xs = j->xs ? j->xs + m0 * j->G : NULL;
             p.out = (char*)j->out + (size_t)(m0 * j->ldo) * es;
-            p.planes = j->M == 1 ? j->planes : NULL;
             direct_blocks(&p, c0, c1);
         }
     }
