@@ -58,7 +58,7 @@ def test_every_family_caps_every_float_library():
             assert env[var], (family, var)
 
 
-def test_cold_rounds_flush_before_every_timed_call(monkeypatch):
+def test_cold_rounds_flush_before_every_timed_call():
     """--cold: the evicting read runs before every timed call of every path (not in the
     warm-up), and is sized from the L3 this machine reports."""
     bs = _bench_serve()
