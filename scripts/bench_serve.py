@@ -32,7 +32,9 @@ table is read from memory, as in a decode step. By default (warm) the round-robi
 of the previous table in the cache; on a large-L3 machine that favours the paths whose tables
 stay (the compute-bound ones gain nothing from it).
 
-``--emulate avx2|avx512f|avx512_bf16`` re-runs the script as that CPU family
+``--emulate avx2|avx2_vnni|avx512f|avx512_bf16`` re-runs the script as that CPU family
+(``avx2``: Haswell .. Zen 3; ``avx2_vnni``: Alder Lake and later cores, Sierra Forest;
+``avx512f``: Cascade Lake, Ice Lake (with AVX512-VNNI); ``avx512_bf16``: Zen 4/5, Cooper Lake)
 (EMBEDQ_CPU_FEATURES for embedq; ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY and
 MKL_ENABLE_INSTRUCTIONS for torch's float path): one machine measures every family at or
 below its own ISA, the same caches and memory (an emulation; the output says so). ORT's
@@ -88,6 +90,7 @@ from embedq.format.codec import QuantizedTable  # noqa: E402
 # the MKL cap the "AVX2" float32 baseline ran AVX-512: 390 vs 521 ms at M = 256 on the AMX Xeon).
 EMULATE = {
     "avx2": ("avx2,fma,f16c", "AVX2", "avx2", "AVX2"),
+    "avx2_vnni": ("avx2,fma,f16c,avx_vnni", "AVX2_VNNI", "avx2", "AVX2"),
     "avx512f": ("-avx512_bf16,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512", "AVX512"),
     "avx512_bf16": ("-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE_BF16", "avx512", "AVX512_E3"),
 }

@@ -61,8 +61,10 @@ class Route:
 _F32 = native_f32.VARIANTS
 _A8 = "4-bit codes x int8 activations (blocks of 32), {}; opt-in EMBEDQ_ACTIVATIONS=int8, not exact"
 # the int8-activation builds, first match first: (ISA, its library, the instruction the rows name)
-_A8_BUILDS = (("avx512vnni", native_f32.A8_VARIANTS["avx512vnni"],
+_VNNI512 = native_f32.A8_VARIANTS["avx512vnni"]
+_A8_BUILDS = (("avx512vnni", _VNNI512,
                "vpdpbusd (AVX512-VNNI), 16 rows x 4 columns per instruction"),
+              ("avx2vnni", _F32["avx2vnni"], "vpdpbusd (AVX-VNNI), 8 rows x 4 columns per instruction"),
               ("avx512f", _F32["avx512f"], "vpmaddubsw"), ("avx2", _F32["avx2"], "vpmaddubsw"),
               ("portable", _F32["portable"], "portable C"))
 _AVX512F_HEAD = Native.head_f32(_F32["avx512f"])
@@ -103,6 +105,12 @@ ROUTES: tuple[Route, ...] = (
     # the AMX tile kernel too: since the code prefetch (seventh session) the AVX-512F kernel
     # is faster there at M <= 2 (Xeon with AMX, synthetic Gemma head: int8 M = 1 / 2 6.7 / 7.5
     # vs 10.6 / 10.8 ms; 4-bit M = 1 4.7 vs 7.5; M = 4 the tiles: 11.0 vs 18.5).
+    # 4-bit at M = 1 with AVX512-VNNI: the planes' vpmaddwd + vpaddd as one vpdpwssd (integer
+    # sums: bit-identical to the row below; Xeon with AMX, synthetic Gemma head Q4 g32, warm,
+    # 2 threads: 2.73 vs 3.03 ms)
+    Route(Native, "cpu", (4,), "any", (BF16, F16, F32), 1, "native_avx512vnni", Native.head_f32(_VNNI512),
+          "the AVX-512F kernel built with AVX512-VNNI for 4-bit at M = 1 (its integer planes in vpdpwssd)",
+          _VNNI512, "avx512vnni"),
     _small_m((4,), 1),
     _small_m((8,), 2),
     # float16 / float32 activations at M <= 2: the AMX kernel splits them into 2 / 3 bf16
@@ -126,6 +134,9 @@ ROUTES: tuple[Route, ...] = (
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx512f", _AVX512F_HEAD,
           "embedq's C kernel (AVX-512F): the AVX2 kernel 16 wide (zmm FMA), bit-identical to it",
           _F32["avx512f"], "avx512f"),
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2vnni", Native.head_f32(_F32["avx2vnni"]),
+          "the AVX2 kernel built with AVX-VNNI (4-bit at M = 1: its integer planes in vpdpwssd), bit-identical to it",
+          _F32["avx2vnni"], "avx2vnni"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2", Native.head_f32(_F32["avx2"]),
           "embedq's C kernel (x86-64-v3): weights -> reference float32 once per call, FMA", _F32["avx2"], "avx2"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_portable", Native.head_f32(_F32["portable"]),

@@ -1,8 +1,9 @@
 /* 4-bit codes x int8 activations: the opt-in of EMBEDQ_ACTIVATIONS=int8 (not exact).
 
    Part of native_f32.c (included after its AVX2 section: uses job_t, RB, scale_at, and with
-   AVX2 scales16, group_out, store_row). Three bodies: AVX512-VNNI (vpdpbusd, the avx512vnni
-   build), AVX2 (vpmaddubsw; also the avx512f build) and portable C.
+   AVX2 scales16, group_out, store_row). Four bodies: AVX512-VNNI (vpdpbusd, the avx512vnni
+   build), AVX-VNNI (vpdpbusd 256 bits wide, the avx2vnni build), AVX2 (vpmaddubsw; also the
+   avx512f build) and portable C.
 
    Why: the exact 4-bit kernels spend ~18 vector instructions per 64 codes at M == 1 and are
    bound by them, not by memory (docs/performance.md). With the activations as int8, a column
@@ -114,6 +115,69 @@ static inline __attribute__((always_inline)) void a8_block(const a8job_t* A, con
 }
 #endif
 
+#if EQ_AVX2 && !EQ_AVX512 && (defined(__AVXVNNI__) || defined(EQ_SIMDE_VNNI))
+#define EQ_A8_AVXVNNI 1
+#if defined(__AVXVNNI__)
+#define EQ_DPBUSD256(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
+#else  /* tests only: the AVX-VNNI body on SIMDe, on CPUs without it */
+#include <simde/x86/avx512/dpbusd.h>
+#define EQ_DPBUSD256(acc, u, x) simde_mm256_dpbusd_epi32(acc, u, x)
+#endif
+/* AVX-VNNI (the avx2vnni build): a quad of columns (4c .. 4c+3) of 8 rows per vpdpbusd. The
+   pairs 2c (lane 0) and 2c+1 (lane 1) of the 32 loaded bytes -> (column 4c, 4c+1) byte pairs
+   per row (nibble unpack), the lanes regrouped by row (two vperm2i128), then dword r = (its
+   pair-2c word, pair-2c+1 word) = columns 4c .. 4c+3 in order (vpunpck[lh]wd): rows 0-3 | 8-11
+   and 4-7 | 12-15. 6 shuffles per 64 codes for all rows, then 2 instructions per activation
+   row where a8_block takes ~5 (vpmaddubsw, vpaddw, the widening). The int32 sums per block
+   are a8_block's, so the outputs are its bits. */
+static inline __attribute__((always_inline)) void a8_block_avxvnni(const a8job_t* A, const int nm, int64_t nb,
+                                                                   int64_t m0, float* o) {
+    const job_t* j = &A->j;
+    const int64_t K = j->K, KB = K / A8B, G = j->G, BPG = j->g / A8B;
+    const uint8_t* wb = j->w + nb * (K / 2) * 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 t[A8MR][2];
+        for (int i = 0; i < nm; i++) t[i][0] = t[i][1] = _mm256_setzero_ps();
+        for (int64_t kb = gi * BPG; kb < (gi + 1) * BPG; kb++) {
+            __m256i acc[A8MR][2];
+            for (int i = 0; i < nm; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            const uint8_t* b0 = wb + kb * 256;
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(b0 + c * 32));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+                const __m256i px = _mm256_permute2x128_si256(a, b, 0x20), py = _mm256_permute2x128_si256(a, b, 0x31);
+                const __m256i u0 = _mm256_unpacklo_epi16(px, py), u1 = _mm256_unpackhi_epi16(px, py);
+                for (int i = 0; i < nm; i++) {
+                    int32_t xq;
+                    memcpy(&xq, A->q + (m0 + i) * K + kb * A8B + c * 4, 4);
+                    const __m256i xv = _mm256_set1_epi32(xq);
+                    acc[i][0] = EQ_DPBUSD256(acc[i][0], u0, xv);
+                    acc[i][1] = EQ_DPBUSD256(acc[i][1], u1, xv);
+                }
+            }
+            for (int i = 0; i < nm; i++) {
+                const int64_t mb = (m0 + i) * KB + kb;
+                const __m256i c = _mm256_set1_epi32(A->corr[mb]);
+                const __m256 dd = _mm256_set1_ps(A->d[mb]);
+                /* rows 0-7: the low lanes of both sums; rows 8-15: the high ones */
+                const __m256i r0 = _mm256_sub_epi32(_mm256_permute2x128_si256(acc[i][0], acc[i][1], 0x20), c);
+                const __m256i r1 = _mm256_sub_epi32(_mm256_permute2x128_si256(acc[i][0], acc[i][1], 0x31), c);
+                t[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), dd, t[i][0]);
+                t[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), dd, t[i][1]);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        for (int i = 0; i < nm; i++)
+            group_out(j, nb, gi, A->xs ? A->xs[(m0 + i) * G + gi] : 0.0f, s0, s1, t[i][0], t[i][1], o + i * RB);
+    }
+}
+#else
+#define EQ_A8_AVXVNNI 0
+#endif
+
 #if EQ_VNNI
 /* AVX512-VNNI: a quad of columns (4c .. 4c+3) of 16 rows per vpdpbusd, summed into int32.
    Pairs 2c and 2c+1 of the block (32 bytes: row r's byte in each) -> words r = X_r, 16 + r =
@@ -201,6 +265,15 @@ static void* a8_run(void* arg) {
                 case 6: a8_block_vnni(A, 6, nb, m0, o); break;
                 case 7: a8_block_vnni(A, 7, nb, m0, o); break;
                 default: a8_block_vnni(A, 8, nb, m0, o); break;
+            }
+#elif EQ_A8_AVXVNNI
+            /* one row: the AVX2 body (its 2 shuffles per 64 codes against 6 here win when no
+               other row shares them: Gemma head from memory, M = 1 4.1-4.2 vs 4.7-5.0 ms) */
+            switch (nm) {
+                case 1: a8_block(A, 1, nb, m0, o); break;
+                case 2: a8_block_avxvnni(A, 2, nb, m0, o); break;
+                case 3: a8_block_avxvnni(A, 3, nb, m0, o); break;
+                default: a8_block_avxvnni(A, 4, nb, m0, o); break;
             }
 #elif EQ_AVX2
             switch (nm) {

@@ -1,6 +1,7 @@
 /* embedq's fp32-FMA head kernel over the native blocked layout (see native_head.py).
 
-   One source, three builds (native_f32.py):
+   One source, several builds (native_f32.py; built with -mavxvnni or -mavx512vnni too, the
+   4-bit M == 1 planes sum in vpdpwssd, and with -mavx512vnni int8 activations in vpdpbusd):
      avx512f   -O3 -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c  (Skylake-SP .. Ice
                Lake, Zen 4/5: the AVX2 code with a 16-wide micro-kernel, #if EQ_AVX512)
      avx2      -O3 -mavx2 -mfma -mf16c  (x86-64-v3: the same code on every such CPU)

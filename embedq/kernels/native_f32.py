@@ -7,11 +7,13 @@ float32 value ``(q - z) * s``, activations are converted once per call to float3
 (exact from bf16/f16), the dot accumulates in float32; only the summation order differs
 from ``F.linear(x, dequant(W))``. Output in the activation dtype.
 
-Three builds of one source (:data:`VARIANTS`):
+Builds of one source (:data:`VARIANTS`):
 
 * ``avx512f``:  the AVX2 code with a 16-wide (zmm) micro-kernel, ``-mavx512f -mavx512bw
   -mavx512vl`` plus AVX2's flags (Skylake-SP … Ice Lake Xeons, Zen 4/5): bit-identical
   results to the AVX2 build (the same float32 operations per lane);
+* ``avx2vnni``: the AVX2 build plus ``-mavxvnni`` (Alder Lake and later, Sierra Forest, Zen 5):
+  4-bit M = 1 sums in ``vpdpwssd``, bit-identical;
 * ``avx2``:     ``-mavx2 -mfma -mf16c`` (x86-64-v3), explicit flags rather than
   ``-march=native`` so every such CPU runs the same, tested code;
 * ``portable``: plain ``-O3`` C that the compiler vectorizes (SSE2 on x86-64, NEON on
@@ -51,6 +53,11 @@ VARIANTS: dict[str, LazyLibrary] = {
     "avx512f": LazyLibrary("head_avx512f", _source, [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", *AVX2_FLAGS],
                            needs=("avx512f", "avx2", "fma", "f16c"), machines=("x86_64", "amd64"),
                            setup=_setup, label="native head (AVX-512F)", openmp=True),
+    # the AVX2 code with AVX-VNNI (Alder Lake and later cores, Sierra Forest, Zen 5): only the
+    # 4-bit M = 1 planes change (vpdpwssd for vpmaddwd + vpaddd; integer sums, bit-identical)
+    "avx2vnni": LazyLibrary("head_avx2vnni", _source, [*_COMMON, *AVX2_FLAGS, "-mavxvnni"],
+                            needs=("avx2", "fma", "f16c", "avx_vnni"), machines=("x86_64", "amd64"), setup=_setup,
+                            label="native head (AVX2 + AVX-VNNI)", openmp=True),
     "avx2": LazyLibrary("head_avx2", _source, [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
                         needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup,
                         label="native head (AVX2+FMA)", openmp=True),
@@ -60,7 +67,8 @@ VARIANTS: dict[str, LazyLibrary] = {
 
 
 
-# Builds that serve only the int8-activation rows (eq_q4a8.h): the same source with VNNI.
+# The same source with AVX512-VNNI: the int8-activation rows (eq_q4a8.h, vpdpbusd) and 4-bit
+# at M = 1 (eq_q4planes.h, vpdpwssd) on AVX-512 CPUs that have it (Cascade Lake and later, Zen 4/5).
 A8_VARIANTS: dict[str, LazyLibrary] = {
     "avx512vnni": LazyLibrary("head_avx512vnni", _source,
                               [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", *AVX2_FLAGS],

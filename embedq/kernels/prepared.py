@@ -145,11 +145,14 @@ class PreparedTable:
 
     def variants(self) -> str:
         """Which kernel serves which activation dtype, e.g. ``native_avx2 for bf16/f16/f32``."""
-        seen, parts = set(), []
+        # (act, dtype, m_min, m_max) an earlier row serves: a later row never runs there (an
+        # int8-activation row hands inf/NaN rows to the exact kernels, so it covers only its kind)
+        covered, parts = [], []
         for r in self.routes:
-            acts = [a for a in r.acts if a not in seen]
-            if r.m_max is None and r.m_min == 1:
-                seen.update(acts)
+            acts = [a for a in r.acts if not any(
+                k in ("exact", r.act) and a == d and lo <= r.m_min
+                and (hi is None or (r.m_max is not None and r.m_max <= hi)) for k, d, lo, hi in covered)]
+            covered += [(r.act, a, r.m_min, r.m_max) for a in r.acts]
             if acts:
                 m = f" at M <= {r.m_max}" if r.m_max else f" at M >= {r.m_min}" if r.m_min > 1 else ""
                 q = " (int8 activations)" if r.act == "int8" else ""

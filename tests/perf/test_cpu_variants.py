@@ -37,8 +37,8 @@ BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # test_fastpath.py), and the EMBEDQ_CPU_FEATURES that selects it on a CPU that has it:
 # exactly the features its library needs ("none" for the portable build). A new CPU
 # family's row is tested here with no edit.
-VARIANTS = {r.isa: r for r in dispatch.ROUTES
-            if r.layout is Native and r.lib is not None and set(r.acts) >= {BF, F16, F32} and r.act == "exact"}
+VARIANTS = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and r.lib is not None
+            and set(r.acts) >= {BF, F16, F32} and r.act == "exact" and r.m_max is None and r.m_min == 1}
 SELECT = {isa: ",".join(r.lib.needs) or "none" for isa, r in VARIANTS.items()}
 
 # (bits, group, sym, rows, cols): vocab never a multiple of the 16-row block (nor of the
@@ -138,7 +138,9 @@ def test_cpu_features_override_picks_the_route(monkeypatch):
 SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"
 
 
-def _emulated_avx512f():
+def _emulated(avx512: bool = True, vnni: bool = False):
+    """The AVX-512F source (``avx512``) or the AVX2 one, with the VNNI planes (``vnni``), built
+    for AVX2 over SIMDe's emulation of the instructions this CPU may lack."""
     import os
 
     from clients import setup, unavailable
@@ -150,13 +152,18 @@ def _emulated_avx512f():
         setup("scripts/setup_aarch64.sh", "SIMDe (libsimde-dev)")
     if not os.path.exists(SIMDE_HEADER):
         unavailable("SIMDe (libsimde-dev)", f"{SIMDE_HEADER} missing after scripts/setup_aarch64.sh")
-    avx512 = native_f32.VARIANTS["avx512f"]
-    lib = LazyLibrary("head_avx512f_simde", native_f32._source,
-                      [f for f in avx512.flags if not f.startswith("-mavx512")] + ["-DEQ_SIMDE", "-Wno-psabi"],
-                      needs=("avx2", "fma", "f16c"), machines=avx512.machines, setup=native_f32._setup,
-                      label="native head (AVX-512F source on SIMDe)")
+    base = native_f32.VARIANTS["avx512f"]
+    flags = [f for f in base.flags if not f.startswith("-mavx512")] + ["-Wno-psabi"]
+    flags += ["-DEQ_SIMDE"] * avx512 + ["-DEQ_SIMDE_VNNI"] * vnni
+    name = f"head_{'avx512f' if avx512 else 'avx2'}{'_vnni' * vnni}_simde"
+    lib = LazyLibrary(name, native_f32._source, flags, needs=("avx2", "fma", "f16c"), machines=base.machines,
+                      setup=native_f32._setup, label=f"native head ({name} on SIMDe)")
     assert lib.get() is not None, lib.unavailable()
     return lib
+
+
+def _emulated_avx512f():
+    return _emulated()
 
 
 @pytest.mark.parametrize("scale_dtype,bits,group,sym,rows,cols", CASES[:8] + CASES[-2:],
@@ -264,18 +271,29 @@ def _wide(cols: int, seed: int) -> torch.Tensor:
     return x.to(BF)
 
 
-@pytest.mark.parametrize("variant", [v for v in sorted(SELECT) if v in ("avx2", "avx512f")])
+# the rows serving 4-bit at M = 1 from a native_f32 build (AVX2 and AVX-512, with and without
+# VNNI): each is selected by exactly its library's features
+Q4_ONE_ROW = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and 4 in r.bits and r.act == "exact"
+              and r.lib is not None and r.lib.name.startswith("head_avx") and r.m_min == 1}
+
+
+@pytest.mark.parametrize("variant", sorted(Q4_ONE_ROW))
 @pytest.mark.parametrize("group,sym", [(32, True), (32, False), (64, True), (64, False)])
 def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
     """eq_q4planes.h: bf16 / f16 activations of one row are split into planes of exact
     int16 values over one power of two per group; the kernel's integer sums equal the
-    reference at the derived bound, however many planes the exponent range needs. A
-    float32 row with more than 15 significant bits takes the float path (0 planes)."""
+    reference at the derived bound, however many planes the exponent range needs, and the
+    VNNI builds' (vpdpwssd) equal the AVX2 build's bit for bit. A float32 row with more than
+    15 significant bits takes the float path (0 planes)."""
     from embedq.kernels import native_f32
-    _select(variant, monkeypatch)
-    lib = native_f32.VARIANTS[variant].get()
+    row = Q4_ONE_ROW[variant]
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", ",".join(row.lib.needs))
+    if dispatch.isa_unavailable(variant) or dispatch.isa_unavailable("avx2"):
+        pytest.skip(dispatch.isa_unavailable(variant) or dispatch.isa_unavailable("avx2"))
+    lib = row.lib.get()
     qt = _table(4, group, sym, 777, 192, BF)
     p = PreparedTable.from_table(qt)
+    L, sp = p.layout, p.layout.spec
     wabs = _wabs(qt)
     gen = torch.Generator().manual_seed(group)
     rows = [("randn bf16", torch.randn(1, 192, generator=gen).to(BF)),
@@ -289,9 +307,33 @@ def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
         if name.startswith("wide"):
             assert planes > 3 * 192 // group, (name, planes)  # many planes per group
         _check_linear(p, qt, x, wabs)
+        assert p.last_kernel == row.kernel, (p.last_kernel, name)
+        args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+        assert torch.equal(native_f32.head(row.lib, *args), native_f32.head(native_f32.VARIANTS["avx2"], *args)), name
     xf = torch.randn(1, 192, generator=gen)
     assert lib.head_f32_q4_planes(xf.data_ptr(), 192, group) == 0  # 24-bit values: float path
     _check_linear(p, qt, xf, wabs)
     inf = xf.to(BF).float().clone()
     inf[0, 5] = float("inf")
     assert lib.head_f32_q4_planes(inf.data_ptr(), 192, group) == 0
+
+
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2vnni", "avx512vnni"])
+def test_vnni_planes_on_simde_equal_avx2_bit_for_bit(avx512, monkeypatch):
+    """The VNNI planes (vpdpwssd, 256 and 512 bits) on CPUs without VNNI: the same source with
+    SIMDe's vpdpwssd gives the AVX2 build's bits at M = 1 (4-bit), every plane count; on a CPU
+    with VNNI test_q4_one_row_integer_planes runs the real instructions too."""
+    from embedq.kernels import native_f32
+    lib = _emulated(avx512=avx512, vnni=True)
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2"])
+    for group, sym in ((32, True), (64, False), (16, False)):
+        qt = _table(4, group, sym, 777, 192, BF)
+        p = PreparedTable.from_table(qt)
+        L, sp = p.layout, p.layout.spec
+        gen = torch.Generator().manual_seed(group)
+        for x in (torch.randn(1, 192, generator=gen).to(BF), torch.randn(1, 192, generator=gen).to(F16),
+                  _wide(192, 1), _wide(192, 2)):
+            args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+            got = native_f32.head(lib, *args)
+            assert torch.equal(got, native_f32.head(native_f32.VARIANTS["avx2"], *args)), (group, x.dtype)
+        _check_linear_result(qt, x, got)

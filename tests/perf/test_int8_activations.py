@@ -161,13 +161,20 @@ def test_non_finite_activations_take_the_exact_kernel(monkeypatch):
     assert torch.equal(got[fin], want[fin])
 
 
-def test_avx512f_build_equals_avx2_bit_for_bit(monkeypatch):
-    """The avx512f row's int8 path is the AVX2 code compiled in the AVX-512F build; where no
-    AVX-512 CPU is at hand, that source built over SIMDe must equal the AVX2 build."""
+@pytest.mark.parametrize("build", ["avx512f_simde", "avx2vnni_simde", "avx2vnni"])
+def test_other_builds_equal_avx2_bit_for_bit(build, monkeypatch):
+    """The avx512f row's int8 path is the AVX2 code compiled in the AVX-512F build, and the
+    avx2vnni row's a body of its own (vpdpbusd) with the same int32 sums: each equals the AVX2
+    build bit for bit. Where no such CPU is at hand, the source is built over SIMDe."""
     from embedq.kernels import native_f32
-    from tests.perf.test_cpu_variants import _emulated_avx512f
-    lib = _emulated_avx512f()
-    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2"])
+    from tests.perf.test_cpu_variants import _emulated
+    if build == "avx2vnni":
+        if dispatch.isa_unavailable("avx2vnni"):
+            pytest.skip(f"{dispatch.isa_unavailable('avx2vnni')} (the SIMDe case runs its source)")
+        lib = native_f32.VARIANTS["avx2vnni"]
+    else:
+        lib = _emulated(avx512=build.startswith("avx512f"), vnni=build.startswith("avx2vnni"))
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2vnni" if build == "avx2vnni" else "avx2"])
     for group, sym, rows, cols in SCHEMES[:4]:
         qt = _table(4, group, sym, rows, cols, BF)
         L = PreparedTable.from_table(qt).layout
