@@ -8,7 +8,9 @@ every path is timed interleaved in the same loop (round-robin, starting path rot
 each round) so that load from other processes hits all paths alike. Printed: the CPU
 model and ISA level, the kernel variant each table got, medians, ratios to the FASTEST
 of the float baselines at that M, the load average and the hypervisor's steal time (a VM's
-load average does not show a neighbour's burst).
+load average does not show a neighbour's burst); beside each ratio of medians the paired
+ratio (each round's time ÷ the baseline's in the same round: median [quartiles] over the
+rounds), which a burst of the host spoils less, and whose quartiles say how stable it is.
 
 Paths:
   bf16, f32   F.linear with a bf16 / a float32 table (baselines: bf16 is emulated, hence
@@ -324,6 +326,20 @@ def timed_rounds(fns: dict, x: torch.Tensor, n: int, n_slow: int, slow: set,
     return times
 
 
+def paired_ratio(ts: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles over rounds of ``ts[r] / base[r]`` (the same round-robin round).
+
+    Why: on a VM whose host takes the cores in bursts (seen on a 2-core Emerald Rapids KVM:
+    a register-only FMA loop swung 1.6-2.0 G/s with 0 % steal reported, head medians 1.5x
+    apart between two runs), a burst hits the paths of one round alike; the ratio within a
+    round survives it where the ratio of two medians does not. The quartiles say how stable."""
+    r = sorted(a / b for a, b in zip(ts, base))  # slow paths ran only the first rounds: zip pairs those
+    if len(r) < 2:
+        return (r[0], r[0], r[0]) if r else (float("nan"),) * 3
+    q = statistics.quantiles(r, n=4)
+    return statistics.median(r), q[0], q[2]
+
+
 def cpu_model() -> str:
     """The CPU's model name and the ISA level embedq's kernels see (``EMBEDQ_CPU_FEATURES``)."""
     from embedq.kernels.build import cpu_flags
@@ -428,10 +444,13 @@ def bench_head(args) -> list[dict]:
                 # embedq ÷ each peer over the same table (its best activation dtype)
                 mine = [med[f"{k.split('-')[0]}@{a}"] for a in args.acts if f"{k.split('-')[0]}@{a}" in med]
                 vs = f"   embedq/{k.split('-', 1)[1]} {min(mine) / med[k]:.2f}" if "-" in k and mine else ""
+                pr, q1, q3 = paired_ratio(ts, times[best])
                 print(f"   {k:14s} {med[k] * 1e3:9.1f} ms  {med[k] / base:6.2f}x best float   "
-                      f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)}){vs}", flush=True)
+                      f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f}, n={len(ts)}; "
+                      f"paired {pr:.2f} [{q1:.2f}-{q3:.2f}]){vs}", flush=True)
                 results.append(dict(section="head", shape=shape_name, rows=rows, cols=cols, batch=m, cold=args.cold,
                                     path=k, median_ms=med[k] * 1e3, ratio_vs_best_float=med[k] / base,
+                                    ratio_paired=pr, ratio_paired_q1=q1, ratio_paired_q3=q3,
                                     baseline=best, cpu=cpu_model(), n=len(ts),
                                     loadavg_before=la0, loadavg_after=load(), steal_pct=steal_since(st0)))
             for b in drop:

@@ -89,3 +89,15 @@ def test_steal_time_is_a_percentage():
     assert 0.0 <= bs.steal_since(t0) <= 100.0
     if Path("/proc/stat").exists():
         assert t0[1] > 0
+
+
+def test_paired_ratio_survives_a_burst_that_two_medians_do_not():
+    """A host burst slows every path of the rounds it hits: the ratio within a round holds."""
+    mod = _bench_serve()
+    base = [10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]  # rounds 3-6 in a burst: everything 2x
+    mine = [5.0, 5.0, 5.0, 10.0, 10.0, 10.0, 10.0]
+    pr, q1, q3 = mod.paired_ratio(mine, base)
+    assert (pr, q1, q3) == (0.5, 0.5, 0.5)
+    # slow paths ran the first rounds only: paired with the baseline's same rounds
+    assert mod.paired_ratio([30.0, 30.0], base)[0] == 3.0
+    assert mod.paired_ratio([7.0], base) == (0.7, 0.7, 0.7)
