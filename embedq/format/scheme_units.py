@@ -229,7 +229,9 @@ class Int4(IntUnit):
         u = torch.stack((b & self.mask, b >> self.bits), dim=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
         return u.view(torch.int8) - self.offset
 
-    # native: the stored byte (two offset nibbles; the C kernels subtract the offset)
+    # native: the stored byte (two offset nibbles; the C kernels subtract the offset). The
+    # dword layout (kernels/layouts.NativeQ4D) keeps four of them together: the stored int32
+    # word, column c of its 8 at bits 4c, so the same to_native / from_native serve it.
     native_pair_bytes = 1
     native_dtype = "uint8"
 

@@ -30,7 +30,7 @@ import torch
 
 from embedq.kernels import actquant, native_f32, native_head
 from embedq.kernels.build import LazyLibrary
-from embedq.kernels.layouts import Chunked, Layout, Native, Spec, Triton, chunked
+from embedq.kernels.layouts import Chunked, Layout, Native, NativeQ4D, Spec, Triton, chunked
 from embedq.kernels.torch_layouts import Int4Cpu, Int8Group, Int8Row
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -78,6 +78,7 @@ def _small_m(bits: tuple[int, ...], m_max: int, acts=(BF16,)) -> "Route":
                  "(memory-bound: the table read at speed)", _F32["avx512f"], "avx512f")
 
 
+_Q4D = native_f32.Q4D_VARIANTS
 ROUTES: tuple[Route, ...] = (
     # 4-bit g32 from M = 64: B tiles of s * (q - z) as two exact bf16 parts, twice the tile
     # dots and no per-group epilogue, which at g32 follows every tile dot (Xeon with AMX,
@@ -141,6 +142,15 @@ ROUTES: tuple[Route, ...] = (
           "embedq's C kernel (x86-64-v3): weights -> reference float32 once per call, FMA", _F32["avx2"], "avx2"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_portable", Native.head_f32(_F32["portable"]),
           "embedq's C kernel, portable C (any CPU with a compiler; NEON on aarch64)", _F32["portable"], "portable"),
+    # Opt-in (EMBEDQ_SERVE_KERNEL=native_q4d; after the pair layout's rows, so never chosen
+    # unasked): 4-bit tables as the stored words, 8 columns of a row per dword. M = 1 decodes
+    # 64 codes in 4 operations and no permute; every M bit-identical to the pair layout's rows.
+    # Emerald Rapids emulating AVX2, Gemma-size Q4 g32: M = 1 0.95, M = 2-4 1.00, M = 8
+    # 1.05-1.12, M = 64 1.02-1.04 of native_avx2 (memory-bound here); the default waits for a
+    # real AVX2 CPU, where M = 1 is instruction-bound (Zen 1 prototype: 0.67-0.70).
+    *(Route(NativeQ4D, "cpu", (4,), "any", (BF16, F16, F32), None, f"native_{isa}_q4d", Native.head_f32(lib),
+            f"the {label} kernel over the 4-bit dword layout (8 columns of a row per uint32), bit-identical to it",
+            lib, isa) for isa, label in (("avx2vnni", "AVX2 + AVX-VNNI"), ("avx2", "AVX2")) for lib in (_Q4D[isa],)),
     Route(Int8Row, "*", (8,), "row", (BF16,), None, "int8_row", Int8Row.mm,
           "torch _weight_int8pack_mm (no compiler); re-decodes per 4 rows"),
     Route(Int8Group, "cpu", (8,), "group", (BF16,), None, "int8_group", Int8Group.mm,
@@ -152,7 +162,8 @@ ROUTES: tuple[Route, ...] = (
 )
 
 # The C library of each ISA variant (derived from the rows: one spelling).
-ISA_LIBS = {r.isa: r.lib for r in ROUTES if r.lib is not None}
+ISA_LIBS = {r.isa: r.lib for r in reversed(ROUTES) if r.lib is not None}  # the first row's build per ISA
+LIBS: tuple[LazyLibrary, ...] = tuple(dict.fromkeys(r.lib for r in ROUTES if r.lib is not None))  # every build
 LAYOUTS: tuple[type[Layout], ...] = tuple(dict.fromkeys(r.layout for r in ROUTES))
 _BY_NAME = {c.name: c for c in LAYOUTS}
 
@@ -258,5 +269,5 @@ def table_markdown() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["ISA_LIBS", "LAYOUTS", "ROUTES", "Route", "choose_layout", "forced", "isa_unavailable",
+__all__ = ["ISA_LIBS", "LAYOUTS", "LIBS", "ROUTES", "Route", "choose_layout", "forced", "isa_unavailable",
            "kernel_for", "layout_named", "layout_unavailable", "rows_for", "table_markdown"]

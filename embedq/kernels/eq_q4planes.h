@@ -20,6 +20,9 @@
    inf, NaN) makes q4planes_build return 0 and the call takes direct4. */
 
 #define Q4P_BITS 15 /* |m'| < 2^15: an int16 */
+/* int16 per plane: the pair layout's [PG / 2][16]; the dword layout's (EQ_Q4D) [g / 8][4][8][2],
+   each (m'_8ch+k, m'_8ch+k+4) dword already broadcast to 8 lanes (a memory operand of vpmaddwd) */
+#define Q4P_STRIDE(g) (EQ_Q4DW ? 8 * (g) : 4 * (g))
 
 typedef struct q4planes {
     int16_t* x;    /* [plane][PG / 2][16]: per two column pairs, (m'_2p, m'_2p+1) x 4 | (m'_2p+2, m'_2p+3) x 4 */
@@ -34,8 +37,9 @@ static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mu
 static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
     const int64_t G = K / g, PG = g / 2, nmax = G * g; /* at most one plane per column */
     memset(P, 0, sizeof *P);
-    if (g % 4 || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
-    P->x = calloc((size_t)nmax * (PG / 2) * 16, sizeof(int16_t));
+    if (g % (EQ_Q4DW ? 8 : 4) || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
+    P->x = calloc((size_t)nmax * Q4P_STRIDE(g), sizeof(int16_t));
+    (void)PG;
     P->corr = malloc(sizeof(int32_t) * nmax);
     P->mul = malloc(sizeof(float) * nmax);
     P->off = malloc(sizeof(int) * (G + 1));
@@ -67,13 +71,18 @@ static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
             for (int64_t k = 0; k < g; k++) if (left[k] && top[k] > T) T = top[k];
             if (T == INT32_MIN) break;
             const int B = T - Q4P_BITS < -149 ? -149 : T - Q4P_BITS; /* 2^B stays a float */
-            int16_t* xp = P->x + (int64_t)np * (PG / 2) * 16;
+            int16_t* xp = P->x + (int64_t)np * Q4P_STRIDE(g);
             int32_t sum = 0;
             for (int64_t k = 0; k < g; k++) {
                 if (!left[k] || fk[k] < B) continue;
                 const int32_t v = mk[k] * (1 << (fk[k] - B));  /* |v| < 2^(T - B) <= 2^15 */
-                const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
-                for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v;
+                if (EQ_Q4DW) {
+                    const int64_t ch = k / 8, q = k % 4, half = k % 8 / 4;
+                    for (int r = 0; r < 8; r++) xp[((ch * 4 + q) * 8 + r) * 2 + half] = (int16_t)v;
+                } else {
+                    const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
+                    for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v;
+                }
                 sum += v;
                 left[k] = 0;
             }
@@ -184,6 +193,67 @@ static inline void q4i_out(const __m256i a[4], int32_t corr, float mul, __m256* 
     *t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r1, c)), m, *t1);
 }
 
+#if EQ_Q4DW
+/* The dword layout's dots (-DEQ_Q4D): 8 rows (one half of the block, a dword per row and 8
+   columns) x one or two planes over NCH chunks. Per 16-bit lane a dword holds columns k and
+   k + 4, so (d & 0x000f), (d & 0x00f0), (d & 0x0f00) and (d >> 12) are columns (0, 4) x 1,
+   (1, 5) x 16, (2, 6) x 256 and (3, 7) x 1: 4 operations decode 64 codes, no permute. The x16
+   and x256 sums are multiples of 16 / 256, so the arithmetic shifts that fold them are exact
+   (|x256 sum| <= 16 products of 3840 x 32767 < 2^31 for g <= 64): the integer per row is the
+   pair layout's, and so is every bit of the output. Four sums per plane break the
+   dependency chains of vpdpwssd (5 cycles). */
+static inline __attribute__((always_inline)) __m256i q4d_fold(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    return _mm256_add_epi32(_mm256_add_epi32(a0, a3), _mm256_add_epi32(_mm256_srai_epi32(a1, 4), _mm256_srai_epi32(a2, 8)));
+}
+static inline __attribute__((always_inline)) void q4d_dots(const uint32_t* d0, const int16_t* X0, const int16_t* X1,
+                                                           const int64_t NCH, __m256i* ra, __m256i* rb) {
+    const __m256i f0 = _mm256_set1_epi16(0x000f), f1 = _mm256_set1_epi16(0x00f0), f2 = _mm256_set1_epi16(0x0f00);
+    __m256i a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_si256();
+    for (int64_t ch = 0; ch < NCH; ch++) {
+        const __m256i d = _mm256_loadu_si256((const __m256i*)(d0 + ch * RB));
+        const __m256i c[4] = {_mm256_and_si256(d, f0), _mm256_and_si256(d, f1), _mm256_and_si256(d, f2),
+                              _mm256_srli_epi16(d, 12)};
+        for (int q = 0; q < 4; q++)
+            a[q] = Q4I_DP(a[q], c[q], _mm256_loadu_si256((const __m256i*)(X0 + (ch * 4 + q) * 16)));
+        if (X1)
+            for (int q = 0; q < 4; q++)
+                b[q] = Q4I_DP(b[q], c[q], _mm256_loadu_si256((const __m256i*)(X1 + (ch * 4 + q) * 16)));
+    }
+    *ra = q4d_fold(a[0], a[1], a[2], a[3]);
+    *rb = q4d_fold(b[0], b[1], b[2], b[3]);
+}
+
+/* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes, dword layout. */
+static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
+    const int64_t NCH = j->g / 8, G = j->G, S = Q4P_STRIDE(j->g);
+    const uint32_t* wb = (const uint32_t*)j->w + nb * (j->K / 8) * RB;
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        const uint32_t* b0 = wb + gi * NCH * RB;
+        for (int64_t c = 0; c < NCH * RB * 4; c += 64) EQ_PREFETCH((const char*)b0 + c);
+        for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
+            const int two = q0 + 1 < P->off[gi + 1];
+            const int16_t* X0 = P->x + (int64_t)q0 * S;
+            for (int h = 0; h < 2; h++) {
+                __m256i ra, rb;
+                if (NCH == 4) { if (two) q4d_dots(b0 + 8 * h, X0, X0 + S, 4, &ra, &rb); else q4d_dots(b0 + 8 * h, X0, NULL, 4, &ra, &rb); }
+                else if (NCH == 8) { if (two) q4d_dots(b0 + 8 * h, X0, X0 + S, 8, &ra, &rb); else q4d_dots(b0 + 8 * h, X0, NULL, 8, &ra, &rb); }
+                else q4d_dots(b0 + 8 * h, X0, two ? X0 + S : NULL, NCH, &ra, &rb);
+                /* as q4i_out: the plane's exact integer minus corr, times 2^B, one FMA per plane */
+                t[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ra, _mm256_set1_epi32(P->corr[q0]))),
+                                       _mm256_set1_ps(P->mul[q0]), t[h]);
+                if (two)
+                    t[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(rb, _mm256_set1_epi32(P->corr[q0 + 1]))),
+                                           _mm256_set1_ps(P->mul[q0 + 1]), t[h]);
+            }
+        }
+        __m256 s0, s1;
+        scales16(j, (nb * G + gi) * RB, &s0, &s1);
+        group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t[0], t[1], o);
+    }
+}
+#else
 /* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes (see above). */
 static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
     const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, IT = PG / 2;
@@ -208,3 +278,4 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, o);
     }
 }
+#endif

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from embedq.format.codec import dequantize_codes, unpack_int32
-from embedq.kernels import native_f32, native_head, triton_head
+from embedq.kernels import actquant, native_f32, native_head, triton_head
 
 # Elements of table decoded per chunk (the reference logits, and conversion at load).
 CHUNK_ELEMS = 1 << 22
@@ -219,6 +219,7 @@ class Native(Layout):
 
     name = "native"
     holds = ("w", "s", "z")
+    SPAN = 2  # columns of a row per unit of the layout (native_head.pack)
 
     @staticmethod
     def check(spec):
@@ -229,7 +230,7 @@ class Native(Layout):
     def prepare(self, packed, scale, zp) -> None:
         sp = self.spec
         self.w, self.s, self.z = native_head.pack(packed, scale, zp, sp.bits, sp.cols,
-                                                  max(native_head.BLOCK, CHUNK_ELEMS // sp.cols))
+                                                  max(native_head.BLOCK, CHUNK_ELEMS // sp.cols), self.SPAN)
 
     def rows(self, ids):
         sp = self.spec
@@ -298,5 +299,31 @@ class Native(Layout):
         return None if spec.group % 32 == 0 else f"group {spec.group} is not a multiple of 32"
 
 
-__all__ = ["CHUNK_ELEMS", "Chunked", "KernelFailed", "Layout", "Native", "ROW_ALIGN", "Refused", "Spec",
+class NativeQ4D(Native):
+    """4-bit tables for the AVX2 kernels: the stored int32 words (8 columns of a row,
+    column c at bits 4c) in 16-row blocks, ``[NB, K/8, 16]`` uint32 — Native's bytes, four to a
+    unit; scales and zero points as Native. Its M = 1 kernel decodes 64 codes in 4 vector
+    operations and no permute (eq_q4planes.h); M > 1 and the gather read the same values, so
+    every output is the pair layout's bit for bit. Opt-in (``EMBEDQ_SERVE_KERNEL=native_q4d``, 4-bit tables): its
+    rows come after the pair layout's, which every other row reads (AVX-512, BF16, AMX, the
+    int8-activation rows); measured in docs/performance.md."""
+
+    name = "native_q4d"
+    SPAN = 8
+
+    @staticmethod
+    def check(spec):
+        if spec.bits != 4:
+            return f"{spec.bits}-bit codes (4-bit only)"
+        why = Native.check(spec)
+        if why is not None:
+            return why
+        if spec.cols % 8 or spec.group % 8:  # the format keeps both so (int32 words, groups of 8k)
+            return f"columns/group ({spec.cols}/{spec.group}) not multiples of 8"
+        if actquant.mode() == "int8":
+            return "EMBEDQ_ACTIVATIONS=int8: those rows read the pair layout"
+        return None
+
+
+__all__ = ["CHUNK_ELEMS", "Chunked", "KernelFailed", "Layout", "Native", "NativeQ4D", "ROW_ALIGN", "Refused", "Spec",
            "Triton", "chunked", "dequantize_range", "dequantize_rows", "warn_once", "warned"]

@@ -46,6 +46,17 @@
 #else
 #define EQ_AVX2 0
 #endif
+/* -DEQ_Q4D (the native_q4d builds, layouts.NativeQ4D): 4-bit codes in the 8-column dword
+   layout, [NB][K/8][16] uint32 (column 8ch + c of a row at bits 4c of its dword: the stored
+   int32 word). The int8 layout is the same in every build. */
+#ifdef EQ_Q4D
+#if !EQ_AVX2
+#error "EQ_Q4D: the dword 4-bit layout has AVX2 kernels only"
+#endif
+#define EQ_Q4DW 1
+#else
+#define EQ_Q4DW 0
+#endif
 #if EQ_AVX2 && !defined(EQ_NO_Q4PLANES)  /* -DEQ_NO_Q4PLANES: 4-bit M == 1 on the float path (A/B) */
 #define EQ_Q4PLANES 1
 #else
@@ -118,6 +129,27 @@ static void decode(const job_t* j, int64_t nb, int64_t p0, int64_t p1, float* re
                 _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), z1), s1));
                 _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), z0), s0));
                 _mm256_storeu_ps(d + 24, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), z1), s1));
+            }
+        } else if (EQ_Q4DW) {
+            /* whole 8-column chunks (head_f32 takes K and g multiples of 8 for this layout) */
+            const __m256i m = _mm256_set1_epi32(15);
+            for (; p < pe; p += 4) {
+                const uint32_t* dw = (const uint32_t*)j->w + (nb * (j->K / 8) + p / 4) * RB;
+                const __m256i d0 = _mm256_loadu_si256((const __m256i*)dw), d1 = _mm256_loadu_si256((const __m256i*)(dw + 8));
+                float* d = dst + (p - p0) * 32;
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) {
+                    /* byte c / 2 of each dword by vpshufb (port 5; the shift, mask, convert and FMA
+                       units are busy), then its nibble */
+                    const int b = c / 2;
+                    const __m256i sel = _mm256_setr_epi8(b, -1, -1, -1, 4 + b, -1, -1, -1, 8 + b, -1, -1, -1, 12 + b, -1, -1, -1,
+                                                         b, -1, -1, -1, 4 + b, -1, -1, -1, 8 + b, -1, -1, -1, 12 + b, -1, -1, -1);
+                    const __m256i v0 = _mm256_shuffle_epi8(d0, sel), v1 = _mm256_shuffle_epi8(d1, sel);
+                    const __m256i u0 = c % 2 ? _mm256_srli_epi32(v0, 4) : _mm256_and_si256(v0, m);
+                    const __m256i u1 = c % 2 ? _mm256_srli_epi32(v1, 4) : _mm256_and_si256(v1, m);
+                    _mm256_storeu_ps(d + 16 * c, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(u0), z0), s0));
+                    _mm256_storeu_ps(d + 16 * c + 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(u1), z1), s1));
+                }
             }
         } else {
             const __m128i m4 = _mm_set1_epi8(0x0f);
@@ -277,11 +309,13 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
     const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, K = j->K;
     const uint8_t* wb = j->w + nb * KP * 16;
     const __m128i m4 = _mm_set1_epi8(0x0f), e8 = _mm_set1_epi8(8);
+    const __m256i e8w = _mm256_set1_epi32(8), m15 = _mm256_set1_epi32(15);
+    (void)m4; (void)e8; (void)e8w; (void)m15; (void)wb;
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 acc[2][2][2];
         for (int i = 0; i < 2; i++) for (int c = 0; c < 2; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
         /* nm == 1: even/odd pairs into acc[0] / acc[1] (8 FMA chains, as in direct8) */
-#define PAIR4(P, NM, A0) do {                                                                     \
+#define PAIR4_W(P)                                                                                \
             EQ_PREFETCH(wb + (P) * 16);  /* Q4 g32 M = 2 19.8 -> 6.0 ms */                       \
             __m128i b = _mm_loadu_si128((const __m128i*)(wb + (P) * 16));                         \
             __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), e8);                                  \
@@ -289,7 +323,14 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
             __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));                            \
             __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));         \
             __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));                            \
-            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));         \
+            __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+/* the dword layout (EQ_Q4D): pair SUB (a constant) of the chunk in d0 / d1, the same values */
+#define PAIR4_DW(SUB)                                                                             \
+            __m256 w00 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d0, 8 * (SUB)), m15), e8w)); \
+            __m256 w01 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d1, 8 * (SUB)), m15), e8w)); \
+            __m256 w10 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d0, 8 * (SUB) + 4), m15), e8w)); \
+            __m256 w11 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d1, 8 * (SUB) + 4), m15), e8w));
+#define PAIR4_ACC(P, NM, A0)                                                                      \
             for (int i = 0; i < (NM); i++) {                                                      \
                 const __m256 x0 = _mm256_broadcast_ss(j->x + i * K + 2 * (P));                    \
                 const __m256 x1 = _mm256_broadcast_ss(j->x + i * K + 2 * (P) + 1);                \
@@ -297,14 +338,32 @@ static inline __attribute__((always_inline)) void direct4(const int nm, const jo
                 acc[(A0) + i][0][1] = _mm256_fmadd_ps(x0, w01, acc[(A0) + i][0][1]);              \
                 acc[(A0) + i][1][0] = _mm256_fmadd_ps(x1, w10, acc[(A0) + i][1][0]);              \
                 acc[(A0) + i][1][1] = _mm256_fmadd_ps(x1, w11, acc[(A0) + i][1][1]);              \
-            }                                                                                     \
-        } while (0)
+            }
+#define PAIR4(P, NM, A0) do { PAIR4_W(P) PAIR4_ACC(P, NM, A0) } while (0)
         int64_t p = gi * PG;
         const int64_t pe = (gi + 1) * PG;
+#if EQ_Q4DW  /* whole chunks of 4 pairs, in the pair layout's order (so its sums, bit for bit) */
+        for (; p < pe; p += 4) {
+            const uint32_t* dw = (const uint32_t*)j->w + (nb * (K / 8) + p / 4) * RB;
+            EQ_PREFETCH(dw);
+            const __m256i d0 = _mm256_loadu_si256((const __m256i*)dw), d1 = _mm256_loadu_si256((const __m256i*)(dw + 8));
+            if (nm == 1) {
+                { PAIR4_DW(0) PAIR4_ACC(p, 1, 0) } { PAIR4_DW(1) PAIR4_ACC(p + 1, 1, 1) }
+                { PAIR4_DW(2) PAIR4_ACC(p + 2, 1, 0) } { PAIR4_DW(3) PAIR4_ACC(p + 3, 1, 1) }
+            } else {
+                { PAIR4_DW(0) PAIR4_ACC(p, nm, 0) } { PAIR4_DW(1) PAIR4_ACC(p + 1, nm, 0) }
+                { PAIR4_DW(2) PAIR4_ACC(p + 2, nm, 0) } { PAIR4_DW(3) PAIR4_ACC(p + 3, nm, 0) }
+            }
+        }
+#else
         if (nm == 1)
             for (; p + 1 < pe; p += 2) { PAIR4(p, 1, 0); PAIR4(p + 1, 1, 1); }
         for (; p < pe; p++) PAIR4(p, nm, 0);
+#endif
 #undef PAIR4
+#undef PAIR4_W
+#undef PAIR4_DW
+#undef PAIR4_ACC
         if (nm == 1)
             for (int c = 0; c < 2; c++) for (int h = 0; h < 2; h++) acc[0][c][h] = _mm256_add_ps(acc[0][c][h], acc[1][c][h]);
         __m256 s0, s1;
@@ -393,7 +452,7 @@ static void* run(void* arg) {
 int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
              int64_t g, const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
     const int64_t NB = (V + RB - 1) / RB;
-    if (K % 2 || g % 2 || K % g) return 2;
+    if (K % 2 || g % 2 || K % g || (EQ_Q4DW && bits == 4 && g % 8)) return 2;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
@@ -439,4 +498,13 @@ int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
 #endif
 }
 
+#if EQ_Q4DW  /* the int8-activation rows read the pair layout (layouts.Native) only */
+int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
+              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+    (void)w; (void)s; (void)skind; (void)z; (void)V; (void)K; (void)g; (void)x; (void)M; (void)out;
+    (void)okind; (void)ldo; (void)nthreads;
+    return 2;
+}
+#else
 #include "eq_q4a8.h"
+#endif

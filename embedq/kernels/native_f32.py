@@ -78,6 +78,18 @@ A8_VARIANTS: dict[str, LazyLibrary] = {
 }
 
 
+# The AVX2 builds over the 4-bit dword layout (-DEQ_Q4D; layouts.NativeQ4D): 8 columns of a
+# row per uint32, so the M = 1 planes decode 64 codes in 4 operations (eq_q4planes.h).
+Q4D_VARIANTS: dict[str, LazyLibrary] = {
+    "avx2vnni": LazyLibrary("head_avx2vnni_q4d", _source, [*_COMMON, *AVX2_FLAGS, "-mavxvnni", "-DEQ_Q4D"],
+                            needs=("avx2", "fma", "f16c", "avx_vnni"), machines=("x86_64", "amd64"), setup=_setup,
+                            label="native head (AVX2 + AVX-VNNI, 4-bit dwords)", openmp=True),
+    "avx2": LazyLibrary("head_avx2_q4d", _source, [*_COMMON, *AVX2_FLAGS, "-DEQ_Q4D"],
+                        needs=("avx2", "fma", "f16c"), machines=("x86_64", "amd64"), setup=_setup,
+                        label="native head (AVX2+FMA, 4-bit dwords)", openmp=True),
+}
+
+
 def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
          x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32), by the
@@ -116,4 +128,4 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     return out
 
 
-__all__ = ["A8_VARIANTS", "SOURCE", "VARIANTS", "head", "head_a8"]
+__all__ = ["A8_VARIANTS", "Q4D_VARIANTS", "SOURCE", "VARIANTS", "head", "head_a8"]

@@ -145,17 +145,19 @@ def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
 
 
 def pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-         bits: int, cols: int, step_rows: int):
-    """The blocked layout ``(w, s, z)`` from overlay tensors, ``step_rows`` rows at a time."""
+         bits: int, cols: int, step_rows: int, span: int = 2):
+    """The blocked layout ``(w, s, z)`` from overlay tensors, ``step_rows`` rows at a time.
+    ``span``: columns per unit of a row kept together (2: column pairs; 8: the 4-bit dword
+    layout of :class:`embedq.kernels.layouts.NativeQ4D`, four native bytes per unit)."""
     unit = unit_for(bits)
-    rows, pair = packed.shape[0], unit.native_pair_bytes
+    rows, ub = packed.shape[0], unit.native_pair_bytes * span // 2
     nb = -(-rows // BLOCK)
-    w = huge_empty((nb, cols // 2, BLOCK, pair), getattr(torch, unit.native_dtype), table=True)
+    w = huge_empty((nb, cols // span, BLOCK, ub), getattr(torch, unit.native_dtype), table=True)
     step = max(BLOCK, step_rows // BLOCK * BLOCK)
     for a in range(0, rows, step):
         b = min(rows, a + step)
         byt = packed[a:b].contiguous().view(torch.uint8).reshape(b - a, -1)
-        blk = unit.to_native(byt).view(b - a, cols // 2, pair)
+        blk = unit.to_native(byt).view(b - a, cols // span, ub)
         pb = -(-(b - a) // BLOCK) * BLOCK
         w[a // BLOCK: a // BLOCK + pb // BLOCK] = _blocked(blk, pb)
     s = _blocked(scale, nb * BLOCK)
@@ -170,7 +172,7 @@ def codes(w: torch.Tensor, bits: int, ids: torch.Tensor, cols: int) -> torch.Ten
 
 
 def block_codes(w: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    """Signed codes int8 [16 * blocks, cols] of whole blocks ``w`` [blocks, cols/2, 16, pair]."""
+    """Signed codes int8 [16 * blocks, cols] of whole blocks ``w`` [blocks, cols/span, 16, unit]."""
     rows = w.shape[0] * BLOCK
     return unit_for(bits).from_native(w.transpose(1, 2).reshape(rows, -1)).reshape(rows, cols)
 

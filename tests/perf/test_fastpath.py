@@ -334,7 +334,7 @@ def test_bias_and_empty_batch():
 def test_native_kernel_unavailable_falls_back_with_one_warning(monkeypatch):
     """No compiler: no native variant, torch's layouts serve, one warning names why."""
     fastpath._warned.clear()
-    for lib in dispatch.ISA_LIBS.values():
+    for lib in dispatch.LIBS:
         monkeypatch.setattr(lib, "_lib", False)
         monkeypatch.setattr(lib, "_reason", "no C compiler found")
     qt = _table(8, None, True, 1000, 256)
@@ -348,11 +348,12 @@ def test_native_kernel_unavailable_falls_back_with_one_warning(monkeypatch):
         _check_linear(p, qt, x, _wabs(qt))
 
 
-@pytest.mark.parametrize("isa", sorted(dispatch.ISA_LIBS))
-def test_native_build_failure_is_a_reason_not_an_error(isa, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", sorted(lib.name for lib in dispatch.LIBS))
+def test_native_build_failure_is_a_reason_not_an_error(name, monkeypatch, tmp_path):
     """A compiler that fails: the variant is unavailable with the compiler's message. A CPU
     without the variant's features gives that reason instead (the compiler is not asked)."""
-    lib = dispatch.ISA_LIBS[isa]
+    lib = next(lib for lib in dispatch.LIBS if lib.name == name)
+    isa = name
     if lib._refused():
         assert "CPU lacks" in lib.unavailable() or "not x86" in lib.unavailable()
         pytest.skip(f"{isa}: {lib.unavailable()} (the build is not attempted)")
