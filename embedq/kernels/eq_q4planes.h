@@ -20,9 +20,9 @@
    inf, NaN) makes q4planes_build return 0 and the call takes direct4. */
 
 #define Q4P_BITS 15 /* |m'| < 2^15: an int16 */
-/* int16 per plane: the pair layout's [PG / 2][16]; the dword layout's (EQ_Q4D) [g / 8][4][8][2],
-   each (m'_8ch+k, m'_8ch+k+4) dword already broadcast to 8 lanes (a memory operand of vpmaddwd) */
-#define Q4P_STRIDE(g) (EQ_Q4DW ? 8 * (g) : 4 * (g))
+/* int16 per plane: the pair layout's [PG / 2][16]; the dword layout's (EQ_Q4D) [g / 8][4][2], the
+   dwords (m'_8ch+k, m'_8ch+k+4), k = 0..3, each broadcast to the 8 rows of a half block */
+#define Q4P_STRIDE(g) (EQ_Q4DW ? (g) : 4 * (g))
 
 typedef struct q4planes {
     int16_t* x;    /* [plane][PG / 2][16]: per two column pairs, (m'_2p, m'_2p+1) x 4 | (m'_2p+2, m'_2p+3) x 4 */
@@ -78,7 +78,7 @@ static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
                 const int32_t v = mk[k] * (1 << (fk[k] - B));  /* |v| < 2^(T - B) <= 2^15 */
                 if (EQ_Q4DW) {
                     const int64_t ch = k / 8, q = k % 4, half = k % 8 / 4;
-                    for (int r = 0; r < 8; r++) xp[((ch * 4 + q) * 8 + r) * 2 + half] = (int16_t)v;
+                    xp[(ch * 4 + q) * 2 + half] = (int16_t)v;
                 } else {
                     const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
                     for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v;
@@ -202,26 +202,51 @@ static inline void q4i_out(const __m256i a[4], int32_t corr, float mul, __m256* 
    (|x256 sum| <= 16 products of 3840 x 32767 < 2^31 for g <= 64): the integer per row is the
    pair layout's, and so is every bit of the output. Four sums per plane break the
    dependency chains of vpdpwssd (5 cycles). */
-static inline __attribute__((always_inline)) __m256i q4d_fold(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-    return _mm256_add_epi32(_mm256_add_epi32(a0, a3), _mm256_add_epi32(_mm256_srai_epi32(a1, 4), _mm256_srai_epi32(a2, 8)));
+static inline __attribute__((always_inline)) __m256i q4d_fold(__m256i a0, __m256i a1, __m256i a2) {
+    return _mm256_add_epi32(a0, _mm256_add_epi32(_mm256_srai_epi32(a1, 4), _mm256_srai_epi32(a2, 8)));
 }
-static inline __attribute__((always_inline)) void q4d_dots(const uint32_t* d0, const int16_t* X0, const int16_t* X1,
-                                                           const int64_t NCH, __m256i* ra, __m256i* rb) {
-    const __m256i f0 = _mm256_set1_epi16(0x000f), f1 = _mm256_set1_epi16(0x00f0), f2 = _mm256_set1_epi16(0x0f00);
-    __m256i a[4], b[4];
-    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_si256();
+#define Q4D_MASKS const __m256i f0 = _mm256_set1_epi16(0x000f), f1 = _mm256_set1_epi16(0x00f0), f2 = _mm256_set1_epi16(0x0f00)
+/* d's 64 codes times one plane's dwords x0..x3 into the sums a0 (weights 1), a1 (16), a2 (256) */
+#define Q4D_STEP(d, x0, x1, x2, x3, a0, a1, a2) do {                                              \
+        a0 = Q4I_DP(Q4I_DP(a0, _mm256_and_si256(d, f0), x0), _mm256_srli_epi16(d, 12), x3);        \
+        a1 = Q4I_DP(a1, _mm256_and_si256(d, f1), x1);                                              \
+        a2 = Q4I_DP(a2, _mm256_and_si256(d, f2), x2);                                              \
+    } while (0)
+#define Q4D_X(X, ch, q) _mm256_set1_epi32(((const int32_t*)(X))[(ch) * 4 + (q)])
+
+/* One plane: both halves of the block per chunk (each broadcast serves 16 rows). r0 / r1:
+   the integer sums of rows 0-7 / 8-15. */
+static inline __attribute__((always_inline)) void q4d_one(const uint32_t* b0, const int16_t* X, const int64_t NCH,
+                                                          __m256i* r0, __m256i* r1) {
+    Q4D_MASKS;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, c0 = a0, c1 = a0, c2 = a0;
     for (int64_t ch = 0; ch < NCH; ch++) {
-        const __m256i d = _mm256_loadu_si256((const __m256i*)(d0 + ch * RB));
-        const __m256i c[4] = {_mm256_and_si256(d, f0), _mm256_and_si256(d, f1), _mm256_and_si256(d, f2),
-                              _mm256_srli_epi16(d, 12)};
-        for (int q = 0; q < 4; q++)
-            a[q] = Q4I_DP(a[q], c[q], _mm256_loadu_si256((const __m256i*)(X0 + (ch * 4 + q) * 16)));
-        if (X1)
-            for (int q = 0; q < 4; q++)
-                b[q] = Q4I_DP(b[q], c[q], _mm256_loadu_si256((const __m256i*)(X1 + (ch * 4 + q) * 16)));
+        const __m256i x0 = Q4D_X(X, ch, 0), x1 = Q4D_X(X, ch, 1), x2 = Q4D_X(X, ch, 2), x3 = Q4D_X(X, ch, 3);
+        const __m256i d0 = _mm256_loadu_si256((const __m256i*)(b0 + ch * RB));
+        const __m256i d1 = _mm256_loadu_si256((const __m256i*)(b0 + ch * RB + 8));
+        Q4D_STEP(d0, x0, x1, x2, x3, a0, a1, a2);
+        Q4D_STEP(d1, x0, x1, x2, x3, c0, c1, c2);
     }
-    *ra = q4d_fold(a[0], a[1], a[2], a[3]);
-    *rb = q4d_fold(b[0], b[1], b[2], b[3]);
+    *r0 = q4d_fold(a0, a1, a2);
+    *r1 = q4d_fold(c0, c1, c2);
+}
+
+/* Two planes over one half h of the block (the codes decoded once for both). */
+static inline __attribute__((always_inline)) void q4d_two(const uint32_t* b0, const int16_t* X0, const int16_t* X1,
+                                                          const int64_t NCH, __m256i* ra, __m256i* rb) {
+    Q4D_MASKS;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, c0 = a0, c1 = a0, c2 = a0;
+    for (int64_t ch = 0; ch < NCH; ch++) {
+        const __m256i d = _mm256_loadu_si256((const __m256i*)(b0 + ch * RB));
+        Q4D_STEP(d, Q4D_X(X0, ch, 0), Q4D_X(X0, ch, 1), Q4D_X(X0, ch, 2), Q4D_X(X0, ch, 3), a0, a1, a2);
+        Q4D_STEP(d, Q4D_X(X1, ch, 0), Q4D_X(X1, ch, 1), Q4D_X(X1, ch, 2), Q4D_X(X1, ch, 3), c0, c1, c2);
+    }
+    *ra = q4d_fold(a0, a1, a2);
+    *rb = q4d_fold(c0, c1, c2);
+}
+
+static inline void q4d_out(__m256i r, int32_t corr, float mul, __m256* t) {
+    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r, _mm256_set1_epi32(corr))), _mm256_set1_ps(mul), *t);
 }
 
 /* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes, dword layout. */
@@ -233,19 +258,22 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         const uint32_t* b0 = wb + gi * NCH * RB;
         for (int64_t c = 0; c < NCH * RB * 4; c += 64) EQ_PREFETCH((const char*)b0 + c);
         for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
-            const int two = q0 + 1 < P->off[gi + 1];
             const int16_t* X0 = P->x + (int64_t)q0 * S;
-            for (int h = 0; h < 2; h++) {
-                __m256i ra, rb;
-                if (NCH == 4) { if (two) q4d_dots(b0 + 8 * h, X0, X0 + S, 4, &ra, &rb); else q4d_dots(b0 + 8 * h, X0, NULL, 4, &ra, &rb); }
-                else if (NCH == 8) { if (two) q4d_dots(b0 + 8 * h, X0, X0 + S, 8, &ra, &rb); else q4d_dots(b0 + 8 * h, X0, NULL, 8, &ra, &rb); }
-                else q4d_dots(b0 + 8 * h, X0, two ? X0 + S : NULL, NCH, &ra, &rb);
-                /* as q4i_out: the plane's exact integer minus corr, times 2^B, one FMA per plane */
-                t[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ra, _mm256_set1_epi32(P->corr[q0]))),
-                                       _mm256_set1_ps(P->mul[q0]), t[h]);
-                if (two)
-                    t[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(rb, _mm256_set1_epi32(P->corr[q0 + 1]))),
-                                           _mm256_set1_ps(P->mul[q0 + 1]), t[h]);
+            __m256i r0, r1;
+            if (q0 + 1 < P->off[gi + 1]) {  /* two planes: as q4i_out, plane q0 then q0 + 1 */
+                for (int h = 0; h < 2; h++) {
+                    if (NCH == 4) q4d_two(b0 + 8 * h, X0, X0 + S, 4, &r0, &r1);
+                    else if (NCH == 8) q4d_two(b0 + 8 * h, X0, X0 + S, 8, &r0, &r1);
+                    else q4d_two(b0 + 8 * h, X0, X0 + S, NCH, &r0, &r1);
+                    q4d_out(r0, P->corr[q0], P->mul[q0], &t[h]);
+                    q4d_out(r1, P->corr[q0 + 1], P->mul[q0 + 1], &t[h]);
+                }
+            } else {
+                if (NCH == 4) q4d_one(b0, X0, 4, &r0, &r1);
+                else if (NCH == 8) q4d_one(b0, X0, 8, &r0, &r1);
+                else q4d_one(b0, X0, NCH, &r0, &r1);
+                q4d_out(r0, P->corr[q0], P->mul[q0], &t[0]);
+                q4d_out(r1, P->corr[q0], P->mul[q0], &t[1]);
             }
         }
         __m256 s0, s1;
