@@ -145,9 +145,10 @@ ROUTES: tuple[Route, ...] = (
     # Opt-in (EMBEDQ_SERVE_KERNEL=native_q4d; after the pair layout's rows, so never chosen
     # unasked): 4-bit tables as the stored words, 8 columns of a row per dword. M = 1 decodes
     # 64 codes in 4 operations and no permute; every M bit-identical to the pair layout's rows.
-    # Emerald Rapids emulating AVX2, Gemma-size Q4 g32: M = 1 0.95, M = 2-4 1.00, M = 8
-    # 1.05-1.12, M = 64 1.02-1.04 of native_avx2 (memory-bound here); the default waits for a
-    # real AVX2 CPU, where M = 1 is instruction-bound (Zen 1 prototype: 0.67-0.70).
+    # Emerald Rapids, AVX2 builds, synthetic Q4 g32 262,144 x 640: M = 1 0.82-0.86, M = 8
+    # 1.04-1.05, M = 64 1.02 of native_avx2; the Gemma head on real hidden states equal within
+    # noise. The default waits for a real AVX2-only CPU, where M = 1 was instruction-bound
+    # (Zen 1, prototype: 0.67-0.70).
     *(Route(NativeQ4D, "cpu", (4,), "any", (BF16, F16, F32), None, f"native_{isa}_q4d", Native.head_f32(lib),
             f"the {label} kernel over the 4-bit dword layout (8 columns of a row per uint32), bit-identical to it",
             lib, isa) for isa, label in (("avx2vnni", "AVX2 + AVX-VNNI"), ("avx2", "AVX2")) for lib in (_Q4D[isa],)),
