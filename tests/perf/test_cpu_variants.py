@@ -187,6 +187,28 @@ def test_avx512f_source_equals_avx2_bit_for_bit(scale_dtype, bits, group, sym, r
             _check_linear_result(qt, x, got)
 
 
+@pytest.mark.parametrize("scale_dtype,bits,group,sym,rows,cols", CASES[:len(SCHEMES)],
+                         ids=[f"int{b}-{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}"
+                              for _, b, g, s, r, c in CASES[:len(SCHEMES)]])
+def test_avx512f_build_equals_avx2_bit_for_bit(scale_dtype, bits, group, sym, rows, cols, monkeypatch):
+    """The real AVX-512F build (its zmm tile decode is not in the SIMDe build) against the
+    AVX2 build, every M path: the same float32 operations per lane, the same bits."""
+    from embedq.kernels import native_f32
+    lib = native_f32.VARIANTS["avx512f"]
+    if lib.unavailable():
+        pytest.skip(lib.unavailable())
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", "native")  # both builds read this layout
+    qt = _table(bits, group, sym, rows, cols, scale_dtype)
+    p = PreparedTable.from_table(qt)
+    assert p.kind == "native", p.describe()
+    L, sp = p.layout, p.layout.spec
+    gen = torch.Generator().manual_seed(cols)
+    for m, dt in itertools.product(MS + (256,), (BF, F16, F32)):
+        x = torch.randn(m, cols, generator=gen).to(dt)
+        args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+        assert torch.equal(native_f32.head(lib, *args), native_f32.head(native_f32.VARIANTS["avx2"], *args)), (m, dt)
+
+
 def _check_linear_result(qt, x, got):
     """The emulated output against the reference at the bound of this file's docstring."""
     class _Fixed:  # _check_linear calls p.linear(x); hand it this result
