@@ -148,8 +148,9 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
     const int64_t PB = (pre ? 2 : 1) * 2 * KP * 16; /* one decoded pair (int32 units) */
     int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
-    float* cbuf = aligned_alloc(64, 16 * 16 * sizeof(float));
+    float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles (the M <= 16 path) */
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
+    memset(cbuf, 0, 2 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
     {   /* Fault in this thread's output pages in address order first: a fresh output (every
            call's) faulted in the kernel's order - 16-32 rows at a time, a 2*V-byte stride -
            cost ~2x more (Xeon with AMX, Gemma head M = 256: 92.7 -> 79 ms with the stores below). */
@@ -171,6 +172,45 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
+        if (!pre && !j->z && j->MP == 16 && j->M > 8) {
+            /* One A tile, symmetric, 8 < M <= 16: the group epilogue's sums in registers (2 x 16
+               zmm) instead of loaded and stored per group - the same operations in the same
+               order as epilogue(), so the same bits. The epilogue was ~1/3 of a Q4 g32 M = 16
+               call (docs/performance.md, the AMX ablation); this path: Q4 g32 / g64 M = 16
+               0.91x, int8 g64 0.95x. Fewer rows keep the memory path, which skips the padding
+               rows (Q4 g32 M = 1 1.15x, M = 8 1.0x this way). */
+            const int dn = nb + 2 < j->nb1;
+            __m512 r0[16], r1[16];
+            for (int64_t gi = 0; gi < G; gi++) {
+                _tile_zero(0); _tile_zero(1);
+                for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
+                    _tile_loadd(6, wd + ks * 16 * 16, 64);
+                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
+                    for (int pt = 0; pt < j->parts; pt++) {
+                        _tile_loadd(4, j->xa + pt * j->MP * K + ks * 32, K * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+                }
+                _tile_stored(0, cbuf, 64);
+                if (two) _tile_stored(1, cbuf + 256, 64);
+                const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+                const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    const __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
+                    r0[i] = gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, r0[i]);
+                    r1[i] = gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, r1[i]);
+                }
+            }
+            for (int i = 0; i < 16; i++) {
+                _mm512_store_ps(acc + i * 16, r0[i]);
+                _mm512_store_ps(acc + (32 + i) * 16, r1[i]);
+            }
+            for (int64_t i = 0; i < j->M; i++) store_row(j, i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
+            continue;
+        }
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
             const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
             const int twoa = m0 + 16 < j->MP;
