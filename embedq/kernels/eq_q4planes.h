@@ -200,8 +200,8 @@ static inline void q4i_out(const __m256i a[4], int32_t corr, float mul, __m256* 
    (1, 5) x 16, (2, 6) x 256 and (3, 7) x 1: 4 operations decode 64 codes, no permute. The x16
    and x256 sums are multiples of 16 / 256, so the arithmetic shifts that fold them are exact
    (|x256 sum| <= 16 products of 3840 x 32767 < 2^31 for g <= 64): the integer per row is the
-   pair layout's, and so is every bit of the output. Four sums per plane break the
-   dependency chains of vpdpwssd (5 cycles). */
+   pair layout's, and so is every bit of the output. Three sums per plane and half block
+   (weights 1, 16, 256), as the prototype's B2 (scripts/ab_q4_dword_layout.c). */
 static inline __attribute__((always_inline)) __m256i q4d_fold(__m256i a0, __m256i a1, __m256i a2) {
     return _mm256_add_epi32(a0, _mm256_add_epi32(_mm256_srai_epi32(a1, 4), _mm256_srai_epi32(a2, 8)));
 }
