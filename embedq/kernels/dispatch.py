@@ -80,15 +80,6 @@ def _small_m(bits: tuple[int, ...], m_max: int, acts=(BF16,)) -> "Route":
 
 _Q4D = native_f32.Q4D_VARIANTS
 ROUTES: tuple[Route, ...] = (
-    # 4-bit g32 from M = 64: B tiles of s * (q - z) as two exact bf16 parts, twice the tile
-    # dots and no per-group epilogue, which at g32 follows every tile dot (Xeon with AMX,
-    # Gemma head Q4 g32: M = 256 87.7 vs 105.2 ms, M = 128 48.6 vs 55.4, M = 64 29.4 vs 30.4,
-    # M = 32 14.8 vs 13.2 the other way; int8 and Q4 g64: no gain; float16 / float32
-    # activations, whose 2 / 3 bf16 parts each meet both tiles: M = 64 slower, 256 within 7 %).
-    Route(bits=(4,), groups="group", m_min=64, **{**_AMX, "acts": (BF16,), "kernel": "native_amx_prescaled",
-          "run": Native.head_amx_prescaled, "fits": Native.fits_amx_prescaled},
-          why="the AMX kernel with the group scales in the tiles: s * (q - z) as two exact bf16 parts "
-          "(g32, f16/bf16 scales, checked once per table; otherwise the row below)"),
     # With AMX, exact tiles beat the int8-activation rows from M = 16 (Xeon with AMX, Gemma
     # head Q4 g32: M = 16 9.6 vs 14.8 ms, M = 64 21.8 vs 55.1; M = 8 7.8 vs 9.3 the other
     # way): under EMBEDQ_ACTIVATIONS=int8 they serve M >= 16 exactly.

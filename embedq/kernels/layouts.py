@@ -250,26 +250,13 @@ class Native(Layout):
         sp = self.spec
         return native_head.head(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
 
-    def head_amx(self, x, prescaled: bool = False):
+    def head_amx(self, x):
         sp = self.spec
-        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x,
-                                    prescaled=prescaled)
-
-    def head_amx_prescaled(self, x):
-        """:meth:`head_amx` with B tiles holding ``s * (q - z)`` as two exact bf16 parts: twice
-        the tile work, no per-group epilogue; a table where that is not exact (checked once)
-        takes :meth:`head_amx`."""
-        if getattr(self, "_prescale_exact", None) is None:
-            self._prescale_exact = native_head.amx_prescale_exact(self.spec.bits, self.s, self.z)
-        return self.head_amx(x, prescaled=self._prescale_exact)
+        return native_head.head_amx(self.w, self.s, self.z, sp.bits, sp.rows, sp.cols, sp.group, x)
 
     @staticmethod
     def fits_amx(spec) -> str | None:
         return native_head.amx_fits(spec.cols, spec.group)
-
-    @staticmethod
-    def fits_amx_prescaled(spec) -> str | None:
-        return native_head.amx_prescale_fits(spec.bits, spec.cols, spec.group, spec.scale_dtype)
 
     @staticmethod
     def head_f32(lib):

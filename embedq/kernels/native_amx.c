@@ -15,8 +15,10 @@
    pairs is [K/2][16][2], so 16 column pairs (32 columns) of it are one B tile (16 rows of
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x.
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
-   Prescaled mode (pre, 4-bit, the caller checks exactness once per table): B tiles hold
-   s * (q - z) as two exact bf16 parts (decode_pre), so all of K is one dot, no group epilogue.
+   Two loops: sweep_regs (one A tile, the group sums in registers: 4-bit tables, and int8
+   tables with groups at M > 8) and the memory loop (two A tiles, the sums in memory: int8
+   per row, whose one epilogue per sweep is cheap beside the 2 x 2 tiles' fewer tile loads,
+   and int8 at M <= 8).
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
 #include <string.h>
@@ -48,41 +50,6 @@ typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const uint16_t* xa; const float* xs;
     void* out; int64_t ldo, M, MP, K, G, g, V, nb0, nb1; int bits, skind, nt, parts, okind;
 } job_t;
-
-/* Prescaled B (pre, 4-bit): the pairs [p0, p1) of block nb as w = s * (q - z) in float32,
-   split into two bf16 tiles hi and lo (hi + lo = w) at d and d + 2 * K/2 * 16. Exact when w
-   has at most 16 significant bits and no part is subnormal (the caller's guard: f16/bf16
-   scales, |q - z| < 32, |s| >= 2^-100): then x * hi + x * lo = x * w, and every group's dot
-   chains into one accumulator with no per-group epilogue (at g32 one follows every tile dot). */
-static inline void decode_pre(const job_t* j, int32_t* d, int64_t nb, int64_t p0, int64_t p1) {
-    const int64_t KP = j->K / 2;
-    const __m512i m15 = _mm512_set1_epi32(15), hm = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 sv = _mm512_setzero_ps(), tv = sv;
-    int64_t gp = -1;
-    for (int64_t p = p0; p < p1; p++) {
-        const int64_t gi = 2 * p / j->g, i = (nb * j->G + gi) * 16;
-        if (gi != gp) {  /* w = u * s - t, t = (z + 8) * s (u = q + 8) */
-            gp = gi;
-            sv = load_scale(j->s, j->skind, i);
-            __m512 zf = _mm512_set1_ps(8.f);
-            if (j->z) zf = _mm512_add_ps(zf, load_zero(j->z, i));
-            tv = _mm512_mul_ps(zf, sv);  /* exact: <= 5 + 11 bits */
-        }
-        /* row r: byte = (u of column 2p+1 << 4) | u of column 2p */
-        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(j->w + (nb * KP + p) * 16)));
-        __m512i c0 = _mm512_and_si512(u, m15), c1 = _mm512_srli_epi32(u, 4);
-        /* one rounding of an exact c * s - t: w itself (<= 16 significant bits) */
-        __m512 f0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c0), sv, tv);
-        __m512 f1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c1), sv, tv);
-        /* hi = w truncated to bf16 (its top 8 bits), lo = w - hi (the next 8): both exact
-           bf16, so their float32 bits' upper halves are the bf16 words (pair: col 2p low) */
-        __m512i h0 = _mm512_and_si512(_mm512_castps_si512(f0), hm), h1 = _mm512_and_si512(_mm512_castps_si512(f1), hm);
-        __m512i l0 = _mm512_castps_si512(_mm512_sub_ps(f0, _mm512_castsi512_ps(h0)));
-        __m512i l1 = _mm512_castps_si512(_mm512_sub_ps(f1, _mm512_castsi512_ps(h1)));
-        _mm512_store_si512(d + p * 16, _mm512_or_si512(h1, _mm512_srli_epi32(h0, 16)));
-        _mm512_store_si512(d + (2 * KP + p) * 16, _mm512_or_si512(l1, _mm512_srli_epi32(l0, 16)));
-    }
-}
 
 /* C tile (a, b) -> acc rows of activation tile a, block b: acc[b][a*16 + i][16 lanes] */
 static inline void epilogue(const job_t* j, float* cbuf, float* acc, int64_t nb, int64_t gi, int64_t m0) {
@@ -130,9 +97,81 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
 #undef CVT16
 }
 
-/* pre: a compile-time constant in each instance (run_plain, run_pre), so the plain kernel's
-   loops compile as they did before the prescaled mode. */
-static inline __attribute__((always_inline)) void* run(void* arg, const int pre) {
+/* decode the pairs [p0, p1) of both blocks of block pair nb into buffer d (names j, KP and
+   tbl from the caller's scope) */
+#define DECODE(d, nb, p0, p1) for (int b_ = 0; b_ < 2 && (nb) + b_ < j->nb1; b_++)                \
+        for (int64_t p_ = (p0); p_ < (p1); p_++)                                           \
+            _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
+
+/* The block pair nb (decoded in wd; two: both blocks exist) against the activation rows
+   [m0, m0 + 16): after each group's tile dots its two C tiles are stored and scaled into
+   sums held in registers, 2 x RN zmm (RN = 8 or 16 and ZP, zero points or not, constants per instance; rows past M
+   are the A tile's zero padding, summed and not stored). The operations and their order are
+   epilogue()'s, so the bits are too; epilogue() loads and stores its sums once per group,
+   ~1/3 of a Q4 g32 call at M = 16 (docs/performance.md, the AMX ablation). While the
+   first sweep's tiles run (dn), the next block pair is decoded into wn, one k-step at a time. */
+static inline __attribute__((always_inline)) void sweep_regs(const job_t* j, const int32_t* wd, int two, int32_t* wn,
+                                                             int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,
+                                                             __m512i tbl, const int RN, const int ZP) {
+    const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32;
+    const int32_t* wd1 = wd + KP * 16;
+    const uint16_t* xa = j->xa + m0 * K;
+    __m512 r0[16], r1[16];
+    for (int64_t gi = 0; gi < G; gi++) {
+        _tile_zero(0); _tile_zero(1);
+        for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
+            _tile_loadd(6, wd + ks * 16 * 16, 64);
+            if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
+            for (int pt = 0; pt < j->parts; pt++) {
+                _tile_loadd(4, xa + pt * j->MP * K + ks * 32, K * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) _tile_dpbf16ps(1, 4, 7);
+            }
+            if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+        }
+        _tile_stored(0, cbuf, 64);
+        if (two) _tile_stored(1, cbuf + 256, 64);
+        const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+        const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
+        __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+        if (ZP) {
+            z0 = load_zero(j->z, (nb * G + gi) * 16);
+            z1 = two ? load_zero(j->z, ((nb + 1) * G + gi) * 16) : z0;
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < RN; i++) {
+            __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
+            if (ZP) {  /* xs has zero rows up to MP */
+                const __m512 xs = _mm512_set1_ps(j->xs[(m0 + i) * G + gi]);
+                t0 = _mm512_fnmadd_ps(z0, xs, t0);
+                t1 = _mm512_fnmadd_ps(z1, xs, t1);
+            }
+            r0[i] = gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, r0[i]);
+            r1[i] = gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, r1[i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < RN; i++) {
+        _mm512_store_ps(acc + i * 16, r0[i]);
+        _mm512_store_ps(acc + (32 + i) * 16, r1[i]);
+    }
+    for (int64_t i = 0; i < RN && m0 + i < j->M; i++)
+        store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
+}
+
+/* one function per instance, compiled apart: four instances inlined into run() made the
+   16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64) */
+typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
+#define SWEEP_FN(RN, ZP) static __attribute__((noinline)) void sweep_##RN##_##ZP(const job_t* j, const int32_t* wd, \
+        int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc, __m512i tbl) {           \
+    sweep_regs(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP); }
+SWEEP_FN(8, 0)
+SWEEP_FN(8, 1)
+SWEEP_FN(16, 0)
+SWEEP_FN(16, 1)
+static const sweep_fn SWEEPS[4] = {sweep_8_0, sweep_8_1, sweep_16_0, sweep_16_1};
+
+static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32; /* k-steps of 32 per group */
     tilecfg_t cfg;
@@ -145,7 +184,7 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
        k-step at a time, between the tile instructions of this one, so the vector decode and
        its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
        g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
-    const int64_t PB = (pre ? 2 : 1) * 2 * KP * 16; /* one decoded pair (int32 units) */
+    const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
     int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
     float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles (the M <= 16 path) */
@@ -162,67 +201,34 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
             for (; a < e; a = (volatile char*)(((uintptr_t)a + 4096) & ~(uintptr_t)4095)) *a = 0;
         }
     }
-    /* decode the pairs [p0, p1) of both blocks of block pair nb into buffer d */
-#define DECODE(d, nb, p0, p1) for (int b_ = 0; b_ < 2 && (nb) + b_ < j->nb1; b_++)                \
-        if (pre) decode_pre(j, (d) + b_ * KP * 16, (nb) + b_, p0, p1);                      \
-        else for (int64_t p_ = (p0); p_ < (p1); p_++)                                      \
-            _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
+    /* Registers or memory for the group sums (interleaved C A/B on a Gemma-size head, Xeon
+       with AMX, registers / memory: Q4 g32 M = 2-8 0.76-0.90, M = 16 0.94, M = 32-256
+       0.78-0.85, and 0.75-0.81 of the prescaled tiles it replaces at M = 64-256; int8 g64
+       M = 32 / 128 / 256 0.74 / 0.88 / 0.93, M <= 16 within 5 %; int8 per row (one group) M =
+       256 1.1: the 2 x 2 tiles load fewer tiles per dot, its one epilogue per sweep is cheap) */
+    const int regs = j->bits == 4 || (j->M > 8 && (j->M <= 16 || j->G > 1));
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
-        if (!pre && !j->z && j->MP == 16 && j->M > 8) {
-            /* One A tile, symmetric, 8 < M <= 16: the group epilogue's sums in registers (2 x 16
-               zmm) instead of loaded and stored per group - the same operations in the same
-               order as epilogue(), so the same bits. The epilogue was ~1/3 of a Q4 g32 M = 16
-               call (docs/performance.md, the AMX ablation); this path: Q4 g32 / g64 M = 16
-               0.91x, int8 g64 0.95x. Fewer rows keep the memory path, which skips the padding
-               rows (Q4 g32 M = 1 1.15x, M = 8 1.0x this way). */
-            const int dn = nb + 2 < j->nb1;
-            __m512 r0[16], r1[16];
-            for (int64_t gi = 0; gi < G; gi++) {
-                _tile_zero(0); _tile_zero(1);
-                for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-                    _tile_loadd(6, wd + ks * 16 * 16, 64);
-                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
-                    for (int pt = 0; pt < j->parts; pt++) {
-                        _tile_loadd(4, j->xa + pt * j->MP * K + ks * 32, K * 2);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (two) _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
-                }
-                _tile_stored(0, cbuf, 64);
-                if (two) _tile_stored(1, cbuf + 256, 64);
-                const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
-                const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) {
-                    const __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
-                    r0[i] = gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, r0[i]);
-                    r1[i] = gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, r1[i]);
-                }
+        if (regs) {  /* one A tile (16 rows) per sweep, the sums in registers */
+            for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
+                const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
+                /* constant row counts and zero points: the sums unrolled, no branch */
+                SWEEPS[(j->M > 8) * 2 + !!j->z](j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
             }
-            for (int i = 0; i < 16; i++) {
-                _mm512_store_ps(acc + i * 16, r0[i]);
-                _mm512_store_ps(acc + (32 + i) * 16, r1[i]);
-            }
-            for (int64_t i = 0; i < j->M; i++) store_row(j, i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
             continue;
         }
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
             const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
             const int twoa = m0 + 16 < j->MP;
             const uint16_t* xa = j->xa + m0 * K;
-            /* prescaled: one dot over all of K (twice: hi and lo tiles), no group epilogue */
-            const int64_t GL = pre ? 1 : G, KSL = pre ? K / 32 : KS;
-            for (int64_t gi = 0; gi < GL; gi++) {
+            for (int64_t gi = 0; gi < G; gi++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t ks = gi * KSL; ks < (gi + 1) * KSL; ks++)
-                for (int hl = 0; hl <= pre; hl++) {
-                    _tile_loadd(6, wd + hl * 2 * KP * 16 + ks * 16 * 16, 64);
-                    if (two) _tile_loadd(7, wd1 + hl * 2 * KP * 16 + ks * 16 * 16, 64);
+                for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
+                    _tile_loadd(6, wd + ks * 16 * 16, 64);
+                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
                     for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
                         const uint16_t* xp = xa + pt * j->MP * K + ks * 32;
                         _tile_loadd(4, xp, K * 2);
@@ -234,13 +240,7 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
                             if (two) _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    if (dn && hl == pre) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
-                }
-                if (pre) {  /* the sums are the logits: tiles straight into acc */
-                    _tile_stored(0, acc, 64);
-                    if (two) _tile_stored(1, acc + 32 * 16, 64);
-                    if (twoa) { _tile_stored(2, acc + 16 * 16, 64); if (two) _tile_stored(3, acc + 48 * 16, 64); }
-                    continue;
+                    if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
                 }
                 STORE_C(0, 0, 0);
                 if (two) STORE_C(1, 0, 1);
@@ -256,23 +256,21 @@ static inline __attribute__((always_inline)) void* run(void* arg, const int pre)
     return NULL;
 }
 
-static void* run_plain(void* arg) { return run(arg, 0); }
-static void* run_pre(void* arg) { return run(arg, 1); }
 
 /* logits[M, V] (row stride ldo, x's dtype) = x[M, K] (xkind: 0 float32, 1 bf16, 2 float16)
    @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
    spans two groups). 0, or -1 when the kernel refused (no tile permission, no memory). */
 int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
-             int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads, int pre) {
-    if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2 || (pre && bits != 4)) return -1;
+             int64_t g, const void* x, int xkind, int64_t M, void* out, int64_t ldo, int nthreads) {
+    if (amx_init() != 0 || K % 32 || g % 32 || xkind < 0 || xkind > 2) return -1;
     const int64_t G = K / g, NB = (V + 15) / 16, MP = (M + 15) / 16 * 16;
     const int parts = xkind == 1 ? 1 : xkind == 2 ? 2 : 3;
     /* activations as `parts` bf16 matrices [parts][MP][K], padded with zero rows to whole
        16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
        exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
-    float* xs = z && !pre ? malloc(M * G * sizeof(float)) : NULL;
-    if (!xa || (z && !pre && !xs)) { free(xa); free(xs); return -1; }
+    float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_regs) */
+    if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
     for (int64_t i = 0; i < M * K; i++) {
         float r = eq_x_at(x, xkind, i);
@@ -301,7 +299,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
                     bits, skind, nt, parts, xkind};
         jobs[t] = jj;
     }
-    int rc = eq_fanout(pre ? run_pre : run_plain, jobs, sizeof(job_t), nthreads);
+    int rc = eq_fanout(run, jobs, sizeof(job_t), nthreads);
     free(xa); free(xs);
     return rc ? -1 : 0;
 }

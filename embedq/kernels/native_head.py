@@ -71,7 +71,7 @@ AMX_NEEDS = (*NEEDS, "amx_tile", "amx_bf16")
 
 def _setup_amx(lib) -> None:
     P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.head_amx.argtypes = [P, P, Fi, P, Fi, I, I, I, P, Fi, I, P, I, Fi, Fi]
+    lib.head_amx.argtypes = [P, P, Fi, P, Fi, I, I, I, P, Fi, I, P, I, Fi]
     lib.head_amx.restype = Fi
     lib.amx_init.restype = Fi
     if lib.amx_init() != 0:
@@ -102,35 +102,6 @@ def supports(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str 
 def amx_fits(cols: int, group: int) -> str | None:
     """Why the AMX kernel cannot serve a table (None: it can): a tile is 32 columns."""
     return None if cols % 32 == 0 and group % 32 == 0 else f"columns/group ({cols}/{group}) not multiples of 32"
-
-
-def _prescale_static(bits: int, scale_dtype: torch.dtype) -> str | None:
-    """The prescaled tiles' conditions known from the scheme: ``s * (q - z)`` has at most
-    16 significant bits only for 4-bit codes (|q - z| < 32) times f16 / bf16 scales."""
-    if bits != 4 or scale_dtype not in (torch.float16, torch.bfloat16):
-        return f"{bits}-bit codes, {scale_dtype} scales: s * (q - z) is two exact bf16 parts only for 4-bit, f16/bf16"
-    return None
-
-
-def amx_prescale_fits(bits: int, cols: int, group: int, scale_dtype: torch.dtype) -> str | None:
-    """Why the prescaled AMX tiles cannot serve a scheme (None: they can, where
-    :func:`amx_prescale_exact` holds for the table): they pay off where a group is one tile
-    (g = 32: an epilogue per tile dot otherwise)."""
-    if group != 32:
-        return f"group {group}: the prescaled tiles pay off at g32 only"
-    return _prescale_static(bits, scale_dtype) or amx_fits(cols, group)
-
-
-def amx_prescale_exact(bits: int, s: torch.Tensor, z: torch.Tensor | None) -> bool:
-    """Whether every ``s * (q - z)`` of a 4-bit table is two bf16 parts exactly (the
-    prescaled AMX tiles): at most 16 significant bits (f16 / bf16 scales, |q - z| < 32) and
-    no part subnormal (AMX flushes those): finite scales of magnitude 0 or >= 2^-100."""
-    if _prescale_static(bits, s.dtype) is not None:
-        return False
-    a = s.float().abs()
-    if not bool(torch.isfinite(a).all()) or bool(((a > 0) & (a < 2.0 ** -100)).any()):
-        return False
-    return z is None or bool(((z >= -24) & (z <= 23)).all())  # q in [-8, 7]: |q - z| <= 31
 
 
 def _blocked(t: torch.Tensor, rows_padded: int) -> torch.Tensor:
@@ -194,21 +165,19 @@ def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) 
     return out
 
 
-def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor,
-             prescaled: bool = False) -> torch.Tensor:
+def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
     """:func:`head` in AMX tiles for bf16, float16 or float32 ``x`` (output in its dtype;
-    ``cols`` and ``group`` multiples of 32). ``prescaled``: the table's B tiles hold
-    ``s * (q - z)`` as two bf16 parts (exact only where :func:`amx_prescale_exact` says so)."""
+    ``cols`` and ``group`` multiples of 32)."""
     lib = AMX_LIB.get()
     x = x.contiguous()
     M = x.shape[0]
     out = huge_empty((M, rows), x.dtype)  # faults: M = 256 Q4 g32 96.5 -> 79.0 ms (hugepages.py)
     rc = lib.head_amx(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                       bits, rows, cols, group, x.data_ptr(), SCALE_KIND[x.dtype], M, out.data_ptr(), rows,
-                      torch.get_num_threads(), int(prescaled))
+                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"AMX head kernel: no memory for its {M}-row activation tiles")
     return out
 
 
-__all__ = ["AMX_LIB", "amx_fits", "amx_prescale_exact", "amx_prescale_fits", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]
+__all__ = ["AMX_LIB", "amx_fits", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]

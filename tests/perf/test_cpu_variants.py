@@ -85,7 +85,7 @@ def test_variant_matches_reference(variant, scale_dtype, bits, group, sym, rows,
         x = torch.randn(m, cols, generator=gen).to(dt)
         _check_linear(p, qt, x, wabs)
         # this variant's row for (dt, m): its general row, or a row of its own ISA before it
-        # that serves this M (the AMX prescaled tiles from M = 64)
+        # that serves this M (e.g. the AVX-512F rows at small M)
         row = next(r for r in dispatch.rows_for("native", p.spec) if dt in r.acts
                    and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
         assert row.isa == variant and p.last_kernel == row.kernel, (p.last_kernel, m, dt)

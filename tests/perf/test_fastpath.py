@@ -175,40 +175,6 @@ def test_amx_large_batch_and_taken_away(bits, group, monkeypatch):
     assert p.last_kernel == _native_kernel(BF, p.spec, 256) == "native_avx512f"
 
 
-@pytest.mark.parametrize("scale_dtype,sym", [(F16, False), (BF, True)])
-def test_amx_prescaled_tiles(scale_dtype, sym):
-    """4-bit g32 at M >= 64: B tiles of s * (q - z) as two bf16 parts, at the derived bound
-    (f16 scales x |q - z| up to 15: the 16 significant bits the two parts hold); a table
-    where the parts would not be exact (a scale below 2^-100, a zero point past the 5-bit
-    range) is served by the plain AMX kernel, bit for bit."""
-    why = native_head.AMX_LIB.unavailable()
-    if why is not None:
-        pytest.skip(why)
-    qt = _table(4, 32, sym, 2000, 320, scale_dtype)
-    p = PreparedTable.from_table(qt)
-    gen = torch.Generator().manual_seed(6)
-    for m in (63, 64, 256):
-        x = torch.randn(m, 320, generator=gen).to(BF)
-        _check_linear(p, qt, x, _wabs(qt))
-        assert p.last_kernel == ("native_amx" if m < 64 else "native_amx_prescaled")
-    lay = p.layout
-    assert lay._prescale_exact
-    assert native_head.amx_prescale_exact(4, lay.s, lay.z)
-    if scale_dtype == BF:  # f16 has no such scale (below 2^-24 it is 0)
-        tiny = lay.s.clone()
-        tiny.view(-1)[5] = 2.0 ** -110
-        assert not native_head.amx_prescale_exact(4, tiny, lay.z)
-    assert not native_head.amx_prescale_exact(4, lay.s.float(), lay.z)
-    assert not native_head.amx_prescale_exact(8, lay.s, lay.z)
-    if lay.z is not None:
-        far = lay.z.clone()
-        far.view(-1)[7] = 24
-        assert not native_head.amx_prescale_exact(4, lay.s, far)
-    lay._prescale_exact = False  # as a table failing the check: the plain kernel's bits
-    x = torch.randn(64, 320, generator=gen).to(BF)
-    assert torch.equal(lay.head_amx_prescaled(x), lay.head_amx(x))
-
-
 @pytest.mark.parametrize("bits,sym", [(8, True), (4, False)])
 def test_columns_not_a_whole_amx_tile(bits, sym, monkeypatch):
     """80 columns (no whole number of 32-column AMX tiles): the next row serves, exactly."""

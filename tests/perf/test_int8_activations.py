@@ -119,7 +119,7 @@ def test_amx_serves_m16_and_up_exactly_under_the_opt_in(monkeypatch):
             _check(p, qt, x, next(r.kernel for r in p.routes if r.act == "int8"))
         else:
             _check_linear(p, qt, x, _wabs(qt))
-            assert p.last_kernel == ("native_amx" if m < 64 else "native_amx_prescaled")
+            assert p.last_kernel == "native_amx"
     assert "native_amx for bfloat16/float16/float32 at M >= 16" in p.variants()
 
 
