@@ -17,8 +17,9 @@
      /tmp/ab_amx /tmp/a.so /tmp/b.so time 4 32 64       # bits, group, M
 
    Both builds must share head_amx's signature (builds before the fifteenth session took a 15th
-   argument, `pre`: compare those with a harness that passes it). An ablation: a copy of the source with one part compiled out, e.g. the tile dots, timed
-   against the full kernel (docs/performance.md, "AMX: the group sums in registers"). */
+   argument, `pre`: compare those with a harness that passes it). An ablation: a copy of the
+   source with one part compiled out (e.g. the tile dots) timed against the full kernel
+   (docs/performance.md, "AMX: the group sums in registers"). */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
