@@ -19,7 +19,7 @@
    Both builds must share head_amx's signature (builds before the fifteenth session took a 15th
    argument, `pre`: compare those with a harness that passes it). An ablation: a copy of the
    source with one part compiled out (e.g. the tile dots) timed against the full kernel
-   (docs/performance.md, "AMX: the group sums in registers"). */
+   (docs/performance.md, "AMX: one activation tile per sweep"). */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>

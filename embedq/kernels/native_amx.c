@@ -15,10 +15,10 @@
    pairs is [K/2][16][2], so 16 column pairs (32 columns) of it are one B tile (16 rows of
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x.
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
-   Two loops: sweep_regs (one A tile, the group sums in registers: 4-bit tables, and int8
-   tables with groups at M > 8) and the memory loop (two A tiles, the sums in memory: int8
-   per row, whose one epilogue per sweep is cheap beside the 2 x 2 tiles' fewer tile loads,
-   and int8 at M <= 8).
+   Two loops: sweep_unrolled (one A tile x two blocks per sweep, every group's scaling
+   unrolled over the tile's rows: 4-bit tables, and int8 tables with groups at M > 8) and the
+   memory loop (2 x 2 tiles, epilogue() per C tile: int8 per row, whose one epilogue per sweep
+   is cheap beside the 2 x 2 tiles' fewer tile loads, and int8 at M <= 8).
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
 #include <string.h>
@@ -105,12 +105,14 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
 
 /* The block pair nb (decoded in wd; two: both blocks exist) against the activation rows
    [m0, m0 + 16): after each group's tile dots its two C tiles are stored and scaled into
-   sums held in registers, 2 x RN zmm (RN = 8 or 16 and ZP, zero points or not, constants per instance; rows past M
-   are the A tile's zero padding, summed and not stored). The operations and their order are
-   epilogue()'s, so the bits are too; epilogue() loads and stores its sums once per group,
-   ~1/3 of a Q4 g32 call at M = 16 (docs/performance.md, the AMX ablation). While the
+   2 x RN sums, the row loop unrolled (RN = 8 or 16 and ZP, zero points or not, constants per
+   instance; rows past M are the A tile's zero padding, summed and not stored). The operations
+   and their order are epilogue()'s, so the bits are too. Not registers: 32 sums, two scales
+   and the tile's values exceed the 32 zmm, and GCC 12 keeps the C values in registers and
+   the sums in stack slots (a memory operand of each FMA); still faster than epilogue()'s
+   runtime-bounded loop per C tile (measured at the kernel's row choice in run()). While the
    first sweep's tiles run (dn), the next block pair is decoded into wn, one k-step at a time. */
-static inline __attribute__((always_inline)) void sweep_regs(const job_t* j, const int32_t* wd, int two, int32_t* wn,
+static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j, const int32_t* wd, int two, int32_t* wn,
                                                              int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,
                                                              __m512i tbl, const int RN, const int ZP) {
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32;
@@ -164,7 +166,7 @@ static inline __attribute__((always_inline)) void sweep_regs(const job_t* j, con
 typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
 #define SWEEP_FN(RN, ZP) static __attribute__((noinline)) void sweep_##RN##_##ZP(const job_t* j, const int32_t* wd, \
         int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc, __m512i tbl) {           \
-    sweep_regs(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP); }
+    sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP); }
 SWEEP_FN(8, 0)
 SWEEP_FN(8, 1)
 SWEEP_FN(16, 0)
@@ -204,18 +206,18 @@ static void* run(void* arg) {
             for (; a < e; a = (volatile char*)(((uintptr_t)a + 4096) & ~(uintptr_t)4095)) *a = 0;
         }
     }
-    /* Registers or memory for the group sums (interleaved C A/B on a Gemma-size head, Xeon
-       with AMX, registers / memory: Q4 g32 M = 2-8 0.76-0.90, M = 16 0.94, M = 32-256
+    /* The unrolled sweeps or the memory loop (interleaved C A/B on a Gemma-size head, Xeon
+       with AMX, unrolled / memory: Q4 g32 M = 2-8 0.76-0.90, M = 16 0.94, M = 32-256
        0.78-0.85, and 0.75-0.81 of the prescaled tiles it replaces at M = 64-256; int8 g64
        M = 32 / 128 / 256 0.74 / 0.88 / 0.93, M <= 16 within 5 %; int8 per row (one group) M =
        256 1.1: the 2 x 2 tiles load fewer tiles per dot, its one epilogue per sweep is cheap) */
-    const int regs = j->bits == 4 || (j->M > 8 && (j->M <= 16 || j->G > 1));
+    const int unrolled = j->bits == 4 || (j->M > 8 && (j->M <= 16 || j->G > 1));
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
-        if (regs) {  /* one A tile (16 rows) per sweep, the sums in registers */
+        if (unrolled) {  /* one A tile (16 rows) per sweep */
             for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
                 const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
                 /* constant row counts and zero points: the sums unrolled, no branch */
@@ -272,7 +274,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
        16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
        exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
-    float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_regs) */
+    float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_unrolled) */
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
     for (int64_t i = 0; i < M * K; i++) {
