@@ -192,7 +192,7 @@ static void* run(void* arg) {
     const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
     int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
-    float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles (the M <= 16 path) */
+    float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles, as stored for scaling */
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
     memset(cbuf, 0, 2 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
     {   /* Fault in this thread's output pages in address order first: a fresh output (every
@@ -212,6 +212,8 @@ static void* run(void* arg) {
        M = 32 / 128 / 256 0.74 / 0.88 / 0.93, M <= 16 within 5 %; int8 per row (one group) M =
        256 1.1: the 2 x 2 tiles load fewer tiles per dot, its one epilogue per sweep is cheap) */
     const int unrolled = j->bits == 4 || (j->M > 8 && (j->M <= 16 || j->G > 1));
+    /* constant row counts and zero points: the scaling unrolled, no branch */
+    const sweep_fn sweep = SWEEPS[(j->M > 8) * 2 + !!j->z];
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
@@ -220,8 +222,7 @@ static void* run(void* arg) {
         if (unrolled) {  /* one A tile (16 rows) per sweep */
             for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
                 const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
-                /* constant row counts and zero points: the sums unrolled, no branch */
-                SWEEPS[(j->M > 8) * 2 + !!j->z](j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
+                sweep(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
             }
             continue;
         }
@@ -260,7 +261,6 @@ static void* run(void* arg) {
     _tile_release();
     return NULL;
 }
-
 
 /* logits[M, V] (row stride ldo, x's dtype) = x[M, K] (xkind: 0 float32, 1 bf16, 2 float16)
    @ dequant(W)^T on nthreads threads. K and the group g multiples of 32 (one B tile never
