@@ -103,6 +103,12 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
         for (int64_t p_ = (p0); p_ < (p1); p_++)                                           \
             _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
 
+/* k-step ks (16 column pairs) of both blocks of block pair nb into ring slot ks & 1 of d
+   ([2 slots][2 blocks][16 pairs][16 rows] bf16 pairs: 4 KiB, stays in L1) */
+#define DECODE_STEP(d, ks) for (int b_ = 0; b_ < 1 + two; b_++) for (int p_ = 0; p_ < 16; p_++)      \
+        _mm512_store_si512((d) + (((ks) & 1) * 2 + b_) * 256 + p_ * 16,                             \
+                           dec_pair(j->w, j->bits, (nb + b_) * KP + (ks) * 16 + p_, tbl));
+
 /* The block pair nb (decoded in wd; two: both blocks exist) against the activation rows
    [m0, m0 + 16): after each group's tile dots its two C tiles are stored and scaled into
    2 x RN sums, the row loop unrolled (RN = 8 or 16 and ZP, zero points or not, constants per
@@ -111,25 +117,37 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
    and the tile's values exceed the 32 zmm, and GCC 12 keeps the C values in registers and
    the sums in stack slots (a memory operand of each FMA); still faster than epilogue()'s
    runtime-bounded loop per C tile (measured at the kernel's row choice in run()). While the
-   first sweep's tiles run (dn), the next block pair is decoded into wn, one k-step at a time. */
+   first sweep's tiles run (dn), the next block pair is decoded into wn, one k-step at a time.
+   JIT (M <= 16, m0 = 0, wd unused): the pair's own B tiles are decoded into the ring wn one
+   k-step ahead of their loads (DECODE_STEP), and the next pair's codes are prefetched. */
 static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j, const int32_t* wd, int two, int32_t* wn,
                                                              int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,
-                                                             __m512i tbl, const int RN, const int ZP) {
-    const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32;
+                                                             __m512i tbl, const int RN, const int ZP, const int JIT) {
+    const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, NS = K / 32;
     const int32_t* wd1 = wd + KP * 16;
     const uint16_t* xa = j->xa + m0 * K;
+    const int64_t cb = j->bits == 8 ? 32 : 16;  /* code bytes per column pair of a block */
+    const uint8_t* pf = nb + 3 < j->nb1 ? j->w + (nb + 2) * KP * cb : NULL;  /* the next pair's codes */
     __m512 r0[16], r1[16];
+    if (JIT) DECODE_STEP(wn, 0)
     for (int64_t gi = 0; gi < G; gi++) {
         _tile_zero(0); _tile_zero(1);
         for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-            _tile_loadd(6, wd + ks * 16 * 16, 64);
-            if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
+            const int32_t* b0 = JIT ? wn + (ks & 1) * 512 : wd + ks * 16 * 16;
+            _tile_loadd(6, b0, 64);
+            if (two) _tile_loadd(7, JIT ? b0 + 256 : wd1 + ks * 16 * 16, 64);
             for (int pt = 0; pt < j->parts; pt++) {
                 _tile_loadd(4, xa + pt * j->MP * K + ks * 32, K * 2);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) _tile_dpbf16ps(1, 4, 7);
             }
-            if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+            if (JIT) {  /* the next k-step's B tiles, and the next pair's codes toward L1 */
+                if (ks + 1 < NS) DECODE_STEP(wn, ks + 1)
+                if (pf) for (int64_t l = 0; l < 16 * cb; l += 64) {
+                    _mm_prefetch((const char*)pf + ks * 16 * cb + l, _MM_HINT_T0);
+                    _mm_prefetch((const char*)pf + (KP + ks * 16) * cb + l, _MM_HINT_T0);
+                }
+            } else if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
         }
         _tile_stored(0, cbuf, 64);
         if (two) _tile_stored(1, cbuf + 256, 64);
@@ -162,16 +180,19 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
 }
 
 /* one function per instance, compiled apart: four instances inlined into run() made the
-   16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64) */
+   16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64). M <= 16: the
+   just-in-time ring (JIT, 8 or 16 rows); M > 16: the decoded pair, 16 rows a sweep. */
 typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
-#define SWEEP_FN(RN, ZP) static __attribute__((noinline)) void sweep_##RN##_##ZP(const job_t* j, const int32_t* wd, \
-        int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc, __m512i tbl) {           \
-    sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP); }
-SWEEP_FN(8, 0)
-SWEEP_FN(8, 1)
-SWEEP_FN(16, 0)
-SWEEP_FN(16, 1)
-static const sweep_fn SWEEPS[4] = {sweep_8_0, sweep_8_1, sweep_16_0, sweep_16_1};
+#define SWEEP_FN(RN, ZP, JIT) static __attribute__((noinline)) void sweep_##RN##_##ZP##_##JIT(const job_t* j,   \
+        const int32_t* wd, int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,       \
+        __m512i tbl) { sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP, JIT); }
+SWEEP_FN(8, 0, 1)
+SWEEP_FN(8, 1, 1)
+SWEEP_FN(16, 0, 1)
+SWEEP_FN(16, 1, 1)
+SWEEP_FN(16, 0, 0)
+SWEEP_FN(16, 1, 0)
+static const sweep_fn SWEEPS[6] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep_16_0_0, sweep_16_1_0};
 
 static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
@@ -206,14 +227,27 @@ static void* run(void* arg) {
             for (; a < e; a = (volatile char*)(((uintptr_t)a + 4096) & ~(uintptr_t)4095)) *a = 0;
         }
     }
-    /* The unrolled sweeps or the memory loop (interleaved C A/B on a Gemma-size head, Xeon
-       with AMX, unrolled / memory: Q4 g32 M = 2-8 0.76-0.90, M = 16 0.94, M = 32-256
-       0.78-0.85, and 0.75-0.81 of the prescaled tiles it replaces at M = 64-256; int8 g64
-       M = 32 / 128 / 256 0.74 / 0.88 / 0.93, M <= 16 within 5 %; int8 per row (one group) M =
-       256 1.1: the 2 x 2 tiles load fewer tiles per dot, its one epilogue per sweep is cheap) */
-    const int unrolled = j->bits == 4 || (j->M > 8 && (j->M <= 16 || j->G > 1));
+    /* M <= 16 (one sweep per block pair): each k-step's B tiles are decoded into a ring in L1
+       one step ahead of their loads, and the next pair's codes prefetched, in place of the
+       whole next pair decoded into a double buffer (80 KiB for Gemma: L2) - interleaved C A/B,
+       Gemma-size head, Xeon with AMX, outputs identical: Q4 g32 M = 2-16 0.78-0.86 (the
+       ring) x 0.87-0.89 (the prefetch), int8 g64 and per row M = 1-16 0.92-0.97 x 0.73-0.79.
+       Tried for M > 16 (the first sweep decoding just in time into one pair buffer, the codes
+       of the pair after next prefetched): 0.98-1.02 and 1.04-2.0, not kept. */
+    if (j->MP == 16) {
+        const sweep_fn sweep = SWEEPS[(j->M > 8) * 2 + !!j->z];
+        for (int64_t nb = j->nb0; nb < j->nb1; nb += 2)
+            sweep(j, NULL, nb + 1 < j->nb1, wbuf, 0, nb, 0, cbuf, acc, tbl);
+        goto done;
+    }
+    /* M > 16: the unrolled sweeps or the memory loop (interleaved C A/B on a Gemma-size head,
+       Xeon with AMX, unrolled / memory: Q4 g32 M = 32-256 0.78-0.85, and 0.75-0.81 of the
+       prescaled tiles it replaces at M = 64-256; int8 g64 M = 32 / 128 / 256 0.74 / 0.88 /
+       0.93; int8 per row (one group) M = 256 1.1: the 2 x 2 tiles load fewer tiles per dot,
+       its one epilogue per sweep is cheap) */
+    const int unrolled = j->bits == 4 || j->G > 1;
     /* constant row counts and zero points: the scaling unrolled, no branch */
-    const sweep_fn sweep = SWEEPS[(j->M > 8) * 2 + !!j->z];
+    const sweep_fn sweep = SWEEPS[4 + !!j->z];
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
@@ -256,6 +290,7 @@ static void* run(void* arg) {
                 store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
         }
     }
+done:
     _mm_sfence();
     free(wbuf); free(acc); free(cbuf);
     _tile_release();
