@@ -79,12 +79,27 @@ def _small_m(bits: tuple[int, ...], m_max: int, acts=(BF16,)) -> "Route":
 
 
 _Q4D = native_f32.Q4D_VARIANTS
+
+
+def _with_amx(spec: Spec) -> str | None:
+    """Why a row kept for AMX CPUs cannot serve here (None: the AMX kernel runs)."""
+    return native_head.AMX_LIB.unavailable() or Native.fits_amx(spec)
+
+
 ROUTES: tuple[Route, ...] = (
-    # With AMX, exact tiles beat the int8-activation rows from M = 16 (Xeon with AMX, Gemma
-    # head Q4 g32: M = 16 9.6 vs 14.8 ms, M = 64 21.8 vs 55.1; M = 8 7.8 vs 9.3 the other
-    # way): under EMBEDQ_ACTIVATIONS=int8 they serve M >= 16 exactly.
+    # On an AMX CPU the exact kernels beat the int8-activation rows at every M, so under
+    # EMBEDQ_ACTIVATIONS=int8 they keep serving, exactly (Emerald Rapids, Gemma head Q4 g32,
+    # interleaved, ms exact vs int8 activations: M = 1 3.5 vs 5.1 (the VNNI planes), 2 4.5 vs
+    # 5.4, 4 4.7 vs 6.3, 8 5.5 vs 8.3, 12 7.4 vs 11.2 (the tiles since the L1 ring, sixteenth
+    # session); M = 16 9.6 vs 14.8, 64 21.8 vs 55.1 before it). float16/float32 at M = 2-15
+    # (three bf16 parts a tile pass each for float32) were not measured: the int8 rows serve them.
+    Route(Native, "cpu", (4,), "group", (BF16, F16, F32), 1, "native_avx512vnni", Native.head_f32(_VNNI512),
+          "on AMX CPUs, the VNNI-planes row below, before the int8-activation rows (faster there, and exact)",
+          _VNNI512, "avx512vnni", fits=_with_amx),
     Route(bits=(4,), groups="group", m_min=16, why="the AMX kernel below, before the int8-activation rows "
           "(faster there, and exact)", **_AMX),
+    Route(**{**_AMX, "acts": (BF16,)}, bits=(4,), groups="group", m_min=2,
+          why="the AMX kernel below for bfloat16 at M = 2-15, before the int8-activation rows (faster there, and exact)"),
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
             _A8.format(how), lib, isa, "int8", Native.fits_a8)
       for isa, lib, how in _A8_BUILDS),

@@ -102,25 +102,33 @@ def test_int8_codes_are_actquants(isa, monkeypatch):
     assert torch.equal(got, want), (got - want).abs().max()
 
 
-def test_amx_serves_m16_and_up_exactly_under_the_opt_in(monkeypatch):
-    """On an AMX CPU the exact tile kernel is faster than int8 activations from M = 16: under
-    EMBEDQ_ACTIVATIONS=int8 it serves M >= 16 (exactly), the int8 rows below."""
+def test_amx_cpus_stay_exact_under_the_opt_in(monkeypatch):
+    """On an AMX CPU the exact kernels are faster than int8 activations at every M: under
+    EMBEDQ_ACTIVATIONS=int8 they keep serving (the VNNI planes at M = 1, the tiles from M = 2
+    for bfloat16 and from M = 16 for float16/float32), exactly; float32 at M = 2-15 takes an
+    int8 row; without AMX the int8 rows serve every M."""
     from embedq.kernels import native_head
-    why = native_head.AMX_LIB.unavailable()
+    why = native_head.AMX_LIB.unavailable() or dispatch.isa_unavailable("avx512vnni")
     if why is not None:
         pytest.skip(why)
     monkeypatch.setenv("EMBEDQ_ACTIVATIONS", "int8")
     qt = _table(4, 32, False, 1001, 96, BF)
     p = PreparedTable.from_table(qt)
     gen = torch.Generator().manual_seed(3)
-    for m in (8, 15, 16, 64):
-        x = torch.randn(m, 96, generator=gen).to(BF)
-        if m < 16:
+    for m, dt, kernel in ((1, BF, "native_avx512vnni"), (1, F32, "native_avx512vnni"), (2, BF, "native_amx"),
+                          (8, BF, "native_amx"), (15, BF, "native_amx"), (16, F32, "native_amx"),
+                          (64, BF, "native_amx"), (8, F32, None)):
+        x = torch.randn(m, 96, generator=gen).to(dt)
+        if kernel is None:
             _check(p, qt, x, next(r.kernel for r in p.routes if r.act == "int8"))
         else:
             _check_linear(p, qt, x, _wabs(qt))
-            assert p.last_kernel == "native_amx"
+            assert p.last_kernel == kernel, (m, dt, p.last_kernel)
     assert "native_amx for bfloat16/float16/float32 at M >= 16" in p.variants()
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", "-amx_bf16,-amx_tile")
+    p = PreparedTable.from_table(qt)
+    for m in (1, 8, 64):
+        _check(p, qt, torch.randn(m, 96, generator=gen).to(BF), next(r.kernel for r in p.routes if r.act == "int8"))
 
 
 def test_opt_in_only_and_only_where_it_fits(monkeypatch):
@@ -195,6 +203,7 @@ def test_transformers_load_opt_in(model_factory, monkeypatch):
     if dispatch.layout_unavailable("native"):
         pytest.skip(dispatch.layout_unavailable("native"))
     monkeypatch.delenv("EMBEDQ_ACTIVATIONS", raising=False)
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", "-amx_bf16,-amx_tile")  # AMX CPUs stay exact (test above)
     path = model_factory("qwen2_tied")
     embedq.quantize(path, bits=4, progress=False)
     ids = torch.tensor([[1, 5, 7, 300, 2]])
