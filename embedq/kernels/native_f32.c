@@ -28,7 +28,9 @@
    rows at a time (M > 2 in passes over L2-sized chunks of blocks: run_direct);
    4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
    Larger M: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
-   (4 x 16 x 256 x 4 B = 64 KiB: L2; measured better than 8 x 128 or 8 x 256); every
+   (4 x 16 x 64 x 4 B = 16 KiB: stays in L1 between the decode and the tiles that read it; KC
+   = 256 (64 KiB, L2) took 1.02-1.11x the time of KC = 64 for the AVX2 build and 1.08-1.22x
+   for the AVX-512F one, KC = 32 1.0-1.07x: Emerald Rapids, Gemma-size table, M = 5-256); every
    activation row runs over it in tiles of MR = 6 rows x 16 table rows (12 accumulators +
    2 weights + 1 broadcast = 15 of 16 ymm: the classic sgemm microkernel; the AVX-512 build
    runs a whole super-block per tile, 6 x 64: 24 of 32 zmm, eq_f32micro.h). Each weight byte
@@ -77,7 +79,7 @@
 #define EQ_VNNI 0
 #endif
 
-enum { RB = 16, SB = 4, KC = 256, MR = 6 };
+enum { RB = 16, SB = 4, KC = 64, MR = 6 };
 /* The direct path's largest M (run_direct; passes of two rows from L2 against the tiles, Xeon,
    Gemma head from memory, AVX2 / AVX-512F builds: int8 g64 M = 6 17.9 / 17.5 vs 21.4 / 20.4 ms,
    M = 8 22.8 / 22.6 vs 27.2 / 26.5, M = 12 equal or slower; 4-bit M = 5-6 +-5 % in the AVX2 build,
