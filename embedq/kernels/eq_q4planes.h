@@ -113,8 +113,10 @@ fail:
 #endif
 /* The dots of one group with one or two planes (X1 NULL: one): a / b [4] = int32 sums for
    rows 0-3, 4-7, 8-11, 12-15, each [pair A | pair B] by 128-bit lane. Inlined with IT a
-   constant (g32: 8, g64: 16) the loop unrolls and the sums stay in registers (a runtime-length
-   loop spilled them in every group: 12-13 % slower on the Gemma head). */
+   constant (g32: 8, g64: 16) the loop unrolls (a runtime-length loop: 12-13 % slower on the
+   Gemma head). With two planes the 8 sums, 4 code vectors, 2 activation loads and masks exceed
+   AVX2's 16 ymm, so GCC 12 still keeps some sums in stack slots (vpaddd with a memory operand:
+   ~70 in the AVX2 build's direct_blocks); the gain is the unrolling, not registers. */
 static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, const int16_t* X0, const int16_t* X1,
                                                            const int64_t IT, __m256i a[4], __m256i b[4]) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
