@@ -104,7 +104,8 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
             _mm512_store_si512((d) + (b_ * KP + p_) * 16, dec_pair(j->w, j->bits, ((nb) + b_) * KP + p_, tbl));
 
 /* k-step ks (16 column pairs) of both blocks of block pair nb into ring slot ks & 1 of d
-   ([2 slots][2 blocks][16 pairs][16 rows] bf16 pairs: 4 KiB, stays in L1) */
+   ([2 slots][2 blocks][16 pairs][16 rows] bf16 pairs: 4 KiB, stays in L1; names j, KP, nb,
+   two and tbl from the caller's scope) */
 #define DECODE_STEP(d, ks) for (int b_ = 0; b_ < 1 + two; b_++) for (int p_ = 0; p_ < 16; p_++)      \
         _mm512_store_si512((d) + (((ks) & 1) * 2 + b_) * 256 + p_ * 16,                             \
                            dec_pair(j->w, j->bits, (nb + b_) * KP + (ks) * 16 + p_, tbl));
@@ -127,7 +128,7 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
     const int32_t* wd1 = wd + KP * 16;
     const uint16_t* xa = j->xa + m0 * K;
     const int64_t cb = j->bits == 8 ? 32 : 16;  /* code bytes per column pair of a block */
-    const uint8_t* pf = nb + 3 < j->nb1 ? j->w + (nb + 2) * KP * cb : NULL;  /* the next pair's codes */
+    const uint8_t* pf = JIT && nb + 3 < j->nb1 ? j->w + (nb + 2) * KP * cb : NULL;  /* the next pair's codes */
     __m512 r0[16], r1[16];
     if (JIT) DECODE_STEP(wn, 0)
     for (int64_t gi = 0; gi < G; gi++) {
@@ -211,7 +212,8 @@ static void* run(void* arg) {
        its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
        g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
     const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
-    int32_t* wbuf = aligned_alloc(64, 2 * PB * 4);
+    /* M <= 16: the 4 KiB ring of sweep_unrolled's JIT instances; else two decoded pairs */
+    int32_t* wbuf = aligned_alloc(64, j->MP == 16 ? 4096 : 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
     float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles, as stored for scaling */
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
