@@ -250,33 +250,18 @@ static void* run(void* arg) {
     const int unrolled = j->bits == 4 || j->G > 1;
     /* constant row counts and zero points: the scaling unrolled, no branch */
     const sweep_fn sweep = SWEEPS[4 + !!j->z];
-    /* The unrolled sweeps, one A tile (16 rows) each. 4-bit tables past M = 64: the rows in
-       chunks of 64 (four sweeps), each chunk a pass over this thread's blocks that decodes
-       them again (cheap for 4-bit codes). Interleaved C A/B, Gemma-size head, Xeon with AMX
-       (seventeenth session), outputs identical: Q4 g32 M = 96 / 128 / 192 / 256 0.90 / 0.89 /
-       0.92 / 0.90-0.93, g64 and g128 at M = 256 0.91 / 0.93; chunks of 48 rows 0.95, of 80-128
-       1.0-1.03; int8 (its decode three times dearer) 0.98-1.10, so one pass. Why 64 rows:
-       not found (not the activations' TLB: them in 2 MiB pages changed nothing). */
-    const int64_t MC = j->bits == 4 ? 64 : j->MP;
-    for (int64_t mc = 0; unrolled && mc < j->MP; mc += MC) {
-        const int64_t me = mc + MC < j->MP ? mc + MC : j->MP;
-        if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
-        for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
-            const int32_t* wd = wbuf + cur * PB;
-            int32_t* wn = wbuf + (cur ^ 1) * PB;
-            for (int64_t m0 = mc; m0 < me; m0 += 16) {
-                const int dn = m0 == mc && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
-                sweep(j, wd, nb + 1 < j->nb1, wn, dn, nb, m0, cbuf, acc, tbl);
-            }
-        }
-    }
-    if (unrolled) goto done;
-    /* the memory loop: int8 per row */
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
+        if (unrolled) {  /* one A tile (16 rows) per sweep */
+            for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
+                const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
+                sweep(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
+            }
+            continue;
+        }
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
             const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
             const int twoa = m0 + 16 < j->MP;
