@@ -175,6 +175,22 @@ def test_amx_large_batch_and_taken_away(bits, group, monkeypatch):
     assert p.last_kernel == _native_kernel(BF, p.spec, 256) == "native_avx512f"
 
 
+@pytest.mark.parametrize("bits,group,sym,dt,m", [(4, 32, True, BF, 33), (8, 64, False, F32, 17)])
+def test_amx_streaming_stores_past_8_mib(bits, group, sym, dt, m):
+    """Outputs from 8 MiB leave the AMX kernel by streaming stores, a whole 64-byte line where
+    it is aligned and masked stores elsewhere: an odd row count (each output row starts at
+    another offset in its line, the last block half empty) at both output widths."""
+    why = native_head.AMX_LIB.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    qt = _table(bits, group, sym, 131_111, 64, seed=3)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(7)).to(dt)
+    assert m * qt.rows * x.element_size() >= 8 << 20  # native_amx.c: nt
+    p = PreparedTable.from_table(qt)
+    _check_linear(p, qt, x, _wabs(qt))
+    assert p.last_kernel == "native_amx"
+
+
 @pytest.mark.parametrize("bits,sym", [(8, True), (4, False)])
 def test_columns_not_a_whole_amx_tile(bits, sym, monkeypatch):
     """80 columns (no whole number of 32-column AMX tiles): the next row serves, exactly."""
