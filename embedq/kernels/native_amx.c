@@ -13,7 +13,8 @@
 
    The blocked layout is already the B-tile layout: a block of 16 table rows decoded to bf16
    pairs is [K/2][16][2], so 16 column pairs (32 columns) of it are one B tile (16 rows of
-   64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x.
+   64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x, stored
+   tile by tile (1 KiB each, see head_amx).
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
    Two loops: sweep_unrolled (one A tile x two blocks per sweep, every group's scaling
    unrolled over the tile's rows: 4-bit tables, and int8 tables with groups at M > 8) and the
@@ -138,7 +139,7 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
             _tile_loadd(6, b0, 64);
             if (two) _tile_loadd(7, JIT ? b0 + 256 : wd1 + ks * 16 * 16, 64);
             for (int pt = 0; pt < j->parts; pt++) {
-                _tile_loadd(4, xa + pt * j->MP * K + ks * 32, K * 2);
+                _tile_loadd(4, xa + pt * j->MP * K + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) _tile_dpbf16ps(1, 4, 7);
             }
@@ -272,12 +273,12 @@ static void* run(void* arg) {
                     _tile_loadd(6, wd + ks * 16 * 16, 64);
                     if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
                     for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
-                        const uint16_t* xp = xa + pt * j->MP * K + ks * 32;
-                        _tile_loadd(4, xp, K * 2);
+                        const uint16_t* xp = xa + pt * j->MP * K + ks * 512;
+                        _tile_loadd(4, xp, 64);
                         _tile_dpbf16ps(0, 4, 6);
                         if (two) _tile_dpbf16ps(1, 4, 7);
                         if (twoa) {
-                            _tile_loadd(5, xp + 16 * K, K * 2);
+                            _tile_loadd(5, xp + 16 * K, 64);
                             _tile_dpbf16ps(2, 5, 6);
                             if (two) _tile_dpbf16ps(3, 5, 7);
                         }
@@ -309,17 +310,21 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     const int parts = xkind == 1 ? 1 : xkind == 2 ? 2 : 3;
     /* activations as `parts` bf16 matrices [parts][MP][K], padded with zero rows to whole
        16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
-       exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone) */
+       exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone).
+       Each part is stored tile by tile, [MP/16][K/32][16][32]: an A tile is one contiguous
+       KiB instead of 16 lines 2K bytes apart (interleaved C A/B, Gemma-size head, Xeon with
+       AMX, outputs identical: Q4 g32 M = 8-256 0.96-0.98, int8 g64 0.96-0.99, M = 1 1.00) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
     float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_unrolled) */
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
-    for (int64_t i = 0; i < M * K; i++) {
-        float r = eq_x_at(x, xkind, i);
+    for (int64_t m = 0; m < M; m++) for (int64_t k = 0; k < K; k++) {
+        float r = eq_x_at(x, xkind, m * K + k);
         const int fin = isfinite(r);
+        const int64_t at = (m >> 4) * 16 * K + (k >> 5) * 512 + (m & 15) * 32 + (k & 31);
         for (int pt = 0; pt < parts; pt++) {
             const uint16_t h = f32_to_bf16(r);
-            xa[pt * MP * K + i] = h;
+            xa[pt * MP * K + at] = h;
             r = fin ? r - bf16_to_f32(h) : 0.f;
         }
     }
