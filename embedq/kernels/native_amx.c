@@ -124,7 +124,8 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
    k-step ahead of their loads (DECODE_STEP), and the next pair's codes are prefetched. */
 static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j, const int32_t* wd, int two, int32_t* wn,
                                                              int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,
-                                                             __m512i tbl, const int RN, const int ZP, const int JIT) {
+                                                             __m512i tbl, const int RN, const int ZP, const int JIT,
+                                                             const int ONE) {
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, NS = K / 32;
     const int32_t* wd1 = wd + KP * 16;
     const uint16_t* xa = j->xa + m0 * K;
@@ -172,6 +173,11 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
             r1[i] = gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, r1[i]);
         }
     }
+    if (ONE) {  /* one block (two = 0): its sums into the pair's [MP][32] buffer, see run() */
+#pragma GCC unroll 16
+        for (int i = 0; i < RN; i++) _mm512_store_ps(acc + i * 32, r0[i]);
+        return;
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < RN; i++) {
         _mm512_store_ps(acc + i * 16, r0[i]);
@@ -183,18 +189,25 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
 
 /* one function per instance, compiled apart: four instances inlined into run() made the
    16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64). M <= 16: the
-   just-in-time ring (JIT, 8 or 16 rows); M > 16: the decoded pair, 16 rows a sweep. */
+   just-in-time ring (JIT, 8 or 16 rows); M > 16: the decoded pair, 16 rows a sweep, both
+   blocks or one (ONE: two = 0 constant, so its 16 sums stay in registers). */
 typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
 #define SWEEP_FN(RN, ZP, JIT) static __attribute__((noinline)) void sweep_##RN##_##ZP##_##JIT(const job_t* j,   \
         const int32_t* wd, int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,       \
-        __m512i tbl) { sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP, JIT); }
+        __m512i tbl) { sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP, JIT, 0); }
+#define SWEEP1_FN(ZP) static __attribute__((noinline)) void sweep1_##ZP(const job_t* j, const int32_t* wd,   \
+        int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc, __m512i tbl) {         \
+        (void)two; sweep_unrolled(j, wd, 0, wn, dn, nb, m0, cbuf, acc, tbl, 16, ZP, 0, 1); }
+SWEEP1_FN(0)
+SWEEP1_FN(1)
 SWEEP_FN(8, 0, 1)
 SWEEP_FN(8, 1, 1)
 SWEEP_FN(16, 0, 1)
 SWEEP_FN(16, 1, 1)
 SWEEP_FN(16, 0, 0)
 SWEEP_FN(16, 1, 0)
-static const sweep_fn SWEEPS[6] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep_16_0_0, sweep_16_1_0};
+static const sweep_fn SWEEPS[8] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep_16_0_0, sweep_16_1_0,
+                                   sweep1_0, sweep1_1};
 
 static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
@@ -251,12 +264,31 @@ static void* run(void* arg) {
     const int unrolled = j->bits == 4 || j->G > 1;
     /* constant row counts and zero points: the scaling unrolled, no branch */
     const sweep_fn sweep = SWEEPS[4 + !!j->z];
+    /* Groups of 32 (a scaling after every tile dot): one block per sweep, its 16 sums in
+       registers where two blocks' 32 spill to the stack, the rows' sums of both blocks
+       gathered in accp for the output's whole lines. Interleaved C A/B, Gemma-size head,
+       Xeon with AMX, outputs identical: Q4 g32 M = 32 / 64 / 128 / 256 0.92-0.93 / 0.94-0.96 /
+       0.92 / 0.89-0.91, int8 g32 0.94 / 0.98 / 0.92 / 0.88; with groups of 64 or 128 (half
+       the scalings or fewer) the extra tile loads cost more than the spills: 0.98-1.09. */
+    const int one = unrolled && KS == 1;
+    float* accp = one ? aligned_alloc(64, j->MP * 32 * sizeof(float)) : NULL;
+    if (one && !accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
-        if (unrolled) {  /* one A tile (16 rows) per sweep */
+        if (one) {  /* one A tile x one block per sweep; a block stays in L1 for its sweeps */
+            for (int b = 0; b < 1 + two; b++)
+                for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
+                    const int dn = b == 0 && m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair */
+                    SWEEPS[6 + !!j->z](j, wd + b * KP * 16, 0, wn, dn, nb + b, m0, cbuf, accp + m0 * 32 + b * 16, tbl);
+                }
+            for (int64_t i = 0; i < j->M; i++)
+                store_row(j, i, nb * 16, accp + i * 32, two ? accp + i * 32 + 16 : NULL);
+            continue;
+        }
+        if (unrolled) {  /* one A tile (16 rows) x both blocks per sweep */
             for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
                 const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
                 sweep(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
@@ -293,6 +325,7 @@ static void* run(void* arg) {
                 store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
         }
     }
+    free(accp);
 done:
     _mm_sfence();
     free(wbuf); free(acc); free(cbuf);
