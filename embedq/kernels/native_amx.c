@@ -16,10 +16,11 @@
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x, stored
    tile by tile (1 KiB each, see head_amx).
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
-   Two loops: sweep_unrolled (one A tile x two blocks per sweep, every group's scaling
-   unrolled over the tile's rows: 4-bit tables, and int8 tables with groups at M > 8) and the
-   memory loop (2 x 2 tiles, epilogue() per C tile: int8 per row, whose one epilogue per sweep
-   is cheap beside the 2 x 2 tiles' fewer tile loads, and int8 at M <= 8).
+   Two loops: sweep_unrolled (one A tile x two blocks per sweep, or one block with groups of
+   32 at M > 16, every group's scaling unrolled over the tile's rows: every table at M <= 16,
+   4-bit and grouped int8 tables above) and the memory loop (2 x 2 tiles, epilogue() per C
+   tile: int8 per row at M > 16, whose one epilogue per sweep is cheap beside the 2 x 2
+   tiles' fewer tile loads).
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
 #include <string.h>
@@ -278,7 +279,8 @@ static void* run(void* arg) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
-        if (one) {  /* one A tile x one block per sweep; a block stays in L1 for its sweeps */
+        if (one) {  /* one A tile x one block per sweep (a block's B tiles and a sweep's A tiles:
+                       20 + 20 KiB for Gemma, within L1) */
             for (int b = 0; b < 1 + two; b++)
                 for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
                     const int dn = b == 0 && m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair */
@@ -345,7 +347,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
        16-row A tiles: h = bf16(x), m = bf16(x - h), l = bf16(x - h - m); each difference is
        exact in float32 and the last part holds the remaining <= 8 bits (inf/NaN: h alone).
        Each part is stored tile by tile, [MP/16][K/32][16][32]: an A tile is one contiguous
-       KiB instead of 16 lines 2K bytes apart (interleaved C A/B, Gemma-size head, Xeon with
+       KiB instead of 16 lines 2*K bytes apart (interleaved C A/B, Gemma-size head, Xeon with
        AMX, outputs identical: Q4 g32 M = 8-256 0.96-0.98, int8 g64 0.96-0.99, M = 1 1.00) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
     float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_unrolled) */
