@@ -16,10 +16,11 @@
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x, stored
    tile by tile (1 KiB each, see head_amx).
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
-   Two loops: sweep_unrolled (one A tile x two blocks per sweep, or one block with groups of
-   32 at M > 16, every group's scaling unrolled over the tile's rows: every table at M <= 16,
-   4-bit and grouped int8 tables above) and the memory loop (2 x 2 tiles, epilogue() per C
-   tile: int8 per row at M > 16, whose one epilogue per sweep is cheap beside the 2 x 2
+   Three loops: sweep_unrolled (one A tile x two blocks per sweep at M <= 16, one block with
+   groups of 32 above; every group's scaling unrolled over the tile's rows), pair_groups
+   (M > 16, 4-bit and grouped int8 tables with groups of 64 and more: the group loop outside
+   the A tiles, each group's B tiles in L1) and the memory loop (2 x 2 tiles, epilogue() per
+   C tile: int8 per row at M > 16, whose one epilogue per sweep is cheap beside the 2 x 2
    tiles' fewer tile loads).
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
@@ -190,8 +191,8 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
 
 /* one function per instance, compiled apart: four instances inlined into run() made the
    16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64). M <= 16: the
-   just-in-time ring (JIT, 8 or 16 rows); M > 16: the decoded pair, 16 rows a sweep, both
-   blocks or one (ONE: two = 0 constant, so its 16 sums stay in registers). */
+   just-in-time ring (JIT, 8 or 16 rows); M > 16 with groups of 32: the decoded pair, one
+   block and 16 rows a sweep (ONE: two = 0 constant, so its 16 sums stay in registers). */
 typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
 #define SWEEP_FN(RN, ZP, JIT) static __attribute__((noinline)) void sweep_##RN##_##ZP##_##JIT(const job_t* j,   \
         const int32_t* wd, int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,       \
@@ -205,10 +206,73 @@ SWEEP_FN(8, 0, 1)
 SWEEP_FN(8, 1, 1)
 SWEEP_FN(16, 0, 1)
 SWEEP_FN(16, 1, 1)
-SWEEP_FN(16, 0, 0)
-SWEEP_FN(16, 1, 0)
-static const sweep_fn SWEEPS[8] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep_16_0_0, sweep_16_1_0,
-                                   sweep1_0, sweep1_1};
+static const sweep_fn SWEEPS[6] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep1_0, sweep1_1};
+
+/* The group loop outside the sweeps (4-bit and grouped int8 tables, groups of 64 and more,
+   M > 16): for each group, its B tiles of both blocks decoded into a ring (two slots of
+   2 KiB per k-step of a group: L1), the next group's during this group's first sweep; then
+   every A tile's dots for the group, each C tile scaled into the pair's [MP][32] sums (the
+   operations and order of sweep_unrolled's scaling, so the bits too). Replaced the sweeps
+   of one A tile x both blocks over a decoded pair (40 KiB of B tiles: L2, re-read by every
+   sweep): interleaved C A/B, Gemma-size head, Xeon with AMX, outputs identical: int8 g64
+   M = 17 / 32 / 48 / 64 / 128 / 256 0.89 / 0.95 / 0.88 / 0.85-0.92 / 0.88 / 0.98, Q4 g64 0.78 /
+   0.95 / 0.91 / 0.88-0.93 / 0.90 / 0.97, int8 and Q4 g128 M = 32-256 0.88-0.99, Q4 per row
+   (one group) 1.02 / 0.94 at M = 64 / 256; with groups of 32 it lost to one block per sweep
+   (1.09-1.20 at M >= 64). Decoding the next pair's first group during the last group:
+   0.96-1.09, not kept. The sixteenth session's try of this loop (1.15 at Q4 M = 64) ran in
+   the harness with a misaligned output (docs/performance.md, seventeenth session). */
+static inline __attribute__((always_inline)) void pair_groups(const job_t* j, int64_t nb, int two, int32_t* ring,
+                                                          float* cbuf, float* accp, __m512i tbl, const int ZP) {
+    const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, MP = j->MP;
+    const int64_t SL = KS * 512;  /* one ring slot: KS k-steps x 2 blocks x 16 pairs x 16 int32 */
+#define GDEC(slot, kk, ks) for (int b_ = 0; b_ < 1 + two; b_++) for (int p_ = 0; p_ < 16; p_++)          \
+        _mm512_store_si512(ring + (slot) * SL + ((kk) * 2 + b_) * 256 + p_ * 16,                          \
+                           dec_pair(j->w, j->bits, (nb + b_) * KP + (ks) * 16 + p_, tbl));
+    for (int64_t kk = 0; kk < KS; kk++) GDEC(0, kk, kk)
+    for (int64_t gi = 0; gi < G; gi++) {
+        const int32_t* rg = ring + (gi & 1) * SL;
+        const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+        const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
+        __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+        if (ZP) {
+            z0 = load_zero(j->z, (nb * G + gi) * 16);
+            z1 = two ? load_zero(j->z, ((nb + 1) * G + gi) * 16) : z0;
+        }
+        for (int64_t m0 = 0; m0 < MP; m0 += 16) {
+            _tile_zero(0); _tile_zero(1);
+            for (int64_t kk = 0; kk < KS; kk++) {
+                const int64_t ks = gi * KS + kk;
+                _tile_loadd(6, rg + kk * 512, 64);
+                if (two) _tile_loadd(7, rg + kk * 512 + 256, 64);
+                for (int pt = 0; pt < j->parts; pt++) {
+                    _tile_loadd(4, j->xa + pt * MP * K + m0 * K + ks * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) _tile_dpbf16ps(1, 4, 7);
+                }
+                if (m0 == 0 && gi + 1 < G) GDEC((gi + 1) & 1, kk, (gi + 1) * KS + kk)
+            }
+            _tile_stored(0, cbuf, 64);
+            if (two) _tile_stored(1, cbuf + 256, 64);
+            float* a = accp + m0 * 32;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
+                if (ZP) {
+                    const __m512 xs = _mm512_set1_ps(j->xs[(m0 + i) * G + gi]);
+                    t0 = _mm512_fnmadd_ps(z0, xs, t0);
+                    t1 = _mm512_fnmadd_ps(z1, xs, t1);
+                }
+                _mm512_store_ps(a + i * 32, gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, _mm512_load_ps(a + i * 32)));
+                _mm512_store_ps(a + i * 32 + 16, gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, _mm512_load_ps(a + i * 32 + 16)));
+            }
+        }
+    }
+#undef GDEC
+}
+static __attribute__((noinline)) void pair_groups_0(const job_t* j, int64_t nb, int two, int32_t* ring, float* cbuf,
+                                                    float* accp, __m512i tbl) { pair_groups(j, nb, two, ring, cbuf, accp, tbl, 0); }
+static __attribute__((noinline)) void pair_groups_1(const job_t* j, int64_t nb, int two, int32_t* ring, float* cbuf,
+                                                    float* accp, __m512i tbl) { pair_groups(j, nb, two, ring, cbuf, accp, tbl, 1); }
 
 static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
@@ -257,14 +321,11 @@ static void* run(void* arg) {
             sweep(j, NULL, nb + 1 < j->nb1, wbuf, 0, nb, 0, cbuf, acc, tbl);
         goto done;
     }
-    /* M > 16: the unrolled sweeps or the memory loop (interleaved C A/B on a Gemma-size head,
-       Xeon with AMX, unrolled / memory: Q4 g32 M = 32-256 0.78-0.85, and 0.75-0.81 of the
-       prescaled tiles it replaces at M = 64-256; int8 g64 M = 32 / 128 / 256 0.74 / 0.88 /
-       0.93; int8 per row (one group) M = 256 1.1: the 2 x 2 tiles load fewer tiles per dot,
-       its one epilogue per sweep is cheap) */
+    /* M > 16: one-block sweeps (groups of 32), pair_groups (larger groups, and 4-bit per row)
+       or the memory loop (int8 per row: against the unrolled sweeps at M = 256 it measured
+       1.1x faster, the 2 x 2 tiles load fewer tiles per dot and its one epilogue per sweep is
+       cheap; fifteenth session, misaligned harness output) */
     const int unrolled = j->bits == 4 || j->G > 1;
-    /* constant row counts and zero points: the scaling unrolled, no branch */
-    const sweep_fn sweep = SWEEPS[4 + !!j->z];
     /* Groups of 32 (a scaling after every tile dot): one block per sweep, its 16 sums in
        registers where two blocks' 32 spill to the stack, the rows' sums of both blocks
        gathered in accp for the output's whole lines. Interleaved C A/B, Gemma-size head,
@@ -272,8 +333,18 @@ static void* run(void* arg) {
        0.92 / 0.89-0.91, int8 g32 0.94 / 0.98 / 0.92 / 0.88; with groups of 64 or 128 (half
        the scalings or fewer) the extra tile loads cost more than the spills: 0.98-1.09. */
     const int one = unrolled && KS == 1;
-    float* accp = one ? aligned_alloc(64, j->MP * 32 * sizeof(float)) : NULL;
-    if (one && !accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
+    float* accp = unrolled ? aligned_alloc(64, j->MP * 32 * sizeof(float)) : NULL;
+    if (unrolled && !accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
+    if (unrolled && !one) {  /* groups of 64 and more */
+        for (int64_t nb = j->nb0; nb < j->nb1; nb += 2) {
+            const int two = nb + 1 < j->nb1;
+            (j->z ? pair_groups_1 : pair_groups_0)(j, nb, two, wbuf, cbuf, accp, tbl);
+            for (int64_t i = 0; i < j->M; i++)
+                store_row(j, i, nb * 16, accp + i * 32, two ? accp + i * 32 + 16 : NULL);
+        }
+        free(accp);
+        goto done;
+    }
     if (j->nb0 < j->nb1) DECODE(wbuf, j->nb0, 0, KP)
     for (int64_t nb = j->nb0, cur = 0; nb < j->nb1; nb += 2, cur ^= 1) {
         const int two = nb + 1 < j->nb1;
@@ -284,17 +355,10 @@ static void* run(void* arg) {
             for (int b = 0; b < 1 + two; b++)
                 for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
                     const int dn = b == 0 && m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair */
-                    SWEEPS[6 + !!j->z](j, wd + b * KP * 16, 0, wn, dn, nb + b, m0, cbuf, accp + m0 * 32 + b * 16, tbl);
+                    SWEEPS[4 + !!j->z](j, wd + b * KP * 16, 0, wn, dn, nb + b, m0, cbuf, accp + m0 * 32 + b * 16, tbl);
                 }
             for (int64_t i = 0; i < j->M; i++)
                 store_row(j, i, nb * 16, accp + i * 32, two ? accp + i * 32 + 16 : NULL);
-            continue;
-        }
-        if (unrolled) {  /* one A tile (16 rows) x both blocks per sweep */
-            for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
-                const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
-                sweep(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl);
-            }
             continue;
         }
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
