@@ -113,6 +113,19 @@ static inline void store_row(const job_t* j, int64_t m, int64_t r0, const float*
         _mm512_store_si512((d) + (((ks) & 1) * 2 + b_) * 256 + p_ * 16,                             \
                            dec_pair(j->w, j->bits, (nb + b_) * KP + (ks) * 16 + p_, tbl));
 
+/* group gi's scales (and zero points, ZP) of blocks nb and nb + 1 (two; else block nb's twice) */
+static inline __attribute__((always_inline)) void group_consts(const job_t* j, int64_t nb, int64_t gi, int two, const int ZP,
+                                                           __m512* s0, __m512* s1, __m512* z0, __m512* z1) {
+    const int64_t G = j->G;
+    *s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
+    *s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : *s0;
+    *z0 = *z1 = _mm512_setzero_ps();
+    if (ZP) {
+        *z0 = load_zero(j->z, (nb * G + gi) * 16);
+        *z1 = two ? load_zero(j->z, ((nb + 1) * G + gi) * 16) : *z0;
+    }
+}
+
 /* The block pair nb (decoded in wd; two: both blocks exist) against the activation rows
    [m0, m0 + 16): after each group's tile dots its two C tiles are stored and scaled into
    2 x RN sums, the row loop unrolled (RN = 8 or 16 and ZP, zero points or not, constants per
@@ -156,13 +169,8 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
         }
         _tile_stored(0, cbuf, 64);
         if (two) _tile_stored(1, cbuf + 256, 64);
-        const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
-        const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
-        __m512 z0 = _mm512_setzero_ps(), z1 = z0;
-        if (ZP) {
-            z0 = load_zero(j->z, (nb * G + gi) * 16);
-            z1 = two ? load_zero(j->z, ((nb + 1) * G + gi) * 16) : z0;
-        }
+        __m512 s0, s1, z0, z1;
+        group_consts(j, nb, gi, two, ZP, &s0, &s1, &z0, &z1);
 #pragma GCC unroll 16
         for (int i = 0; i < RN; i++) {
             __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
@@ -231,13 +239,8 @@ static inline __attribute__((always_inline)) void pair_groups(const job_t* j, in
     for (int64_t kk = 0; kk < KS; kk++) GDEC(0, kk, kk)
     for (int64_t gi = 0; gi < G; gi++) {
         const int32_t* rg = ring + (gi & 1) * SL;
-        const __m512 s0 = load_scale(j->s, j->skind, (nb * G + gi) * 16);
-        const __m512 s1 = two ? load_scale(j->s, j->skind, ((nb + 1) * G + gi) * 16) : s0;
-        __m512 z0 = _mm512_setzero_ps(), z1 = z0;
-        if (ZP) {
-            z0 = load_zero(j->z, (nb * G + gi) * 16);
-            z1 = two ? load_zero(j->z, ((nb + 1) * G + gi) * 16) : z0;
-        }
+        __m512 s0, s1, z0, z1;
+        group_consts(j, nb, gi, two, ZP, &s0, &s1, &z0, &z1);
         for (int64_t m0 = 0; m0 < MP; m0 += 16) {
             _tile_zero(0); _tile_zero(1);
             for (int64_t kk = 0; kk < KS; kk++) {
