@@ -216,19 +216,22 @@ SWEEP_FN(16, 0, 1)
 SWEEP_FN(16, 1, 1)
 static const sweep_fn SWEEPS[6] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep1_0, sweep1_1};
 
-/* The group loop outside the sweeps (4-bit and grouped int8 tables, groups of 64 and more,
-   M > 16): for each group, its B tiles of both blocks decoded into a ring (two slots of
+/* The group loop outside the sweeps (4-bit and grouped int8 tables at M > 16; groups of 32 up
+   to M = 128): for each group, its B tiles of both blocks decoded into a ring (two slots of
    2 KiB per k-step of a group: L1), the next group's during this group's first sweep; then
-   every A tile's dots for the group, each C tile scaled into the pair's [MP][32] sums (the
-   operations and order of sweep_unrolled's scaling, so the bits too). Replaced the sweeps
-   of one A tile x both blocks over a decoded pair (40 KiB of B tiles: L2, re-read by every
-   sweep): interleaved C A/B, Gemma-size head, Xeon with AMX, outputs identical: int8 g64
-   M = 17 / 32 / 48 / 64 / 128 / 256 0.89 / 0.95 / 0.88 / 0.85-0.92 / 0.88 / 0.98, Q4 g64 0.78 /
-   0.95 / 0.91 / 0.88-0.93 / 0.90 / 0.97, int8 and Q4 g128 M = 32-256 0.88-0.99, Q4 per row
-   (one group) 1.02 / 0.94 at M = 64 / 256; with groups of 32 it lost to one block per sweep
-   (1.09-1.20 at M >= 64). Decoding the next pair's first group during the last group:
-   0.96-1.09, not kept. The sixteenth session's try of this loop (1.15 at Q4 M = 64) ran in
-   the harness with a misaligned output (docs/performance.md, seventeenth session). */
+   the group's dots for two A tiles at a time (2 x 2 C tiles: each tile load serves two dots),
+   each C tile scaled into the pair's [MP][32] sums (the operations and order of
+   sweep_unrolled's scaling, so the bits too). Replaced the sweeps of one A tile x both blocks
+   over a decoded pair (40 KiB of B tiles: L2, re-read by every sweep): interleaved C A/B,
+   Gemma-size head, Xeon with AMX, outputs identical: int8 g64 M = 17 / 32 / 48 / 64 / 128 / 256
+   0.89 / 0.95 / 0.88 / 0.85-0.92 / 0.88 / 0.98, Q4 g64 0.78 / 0.95 / 0.91 / 0.88-0.93 / 0.90 /
+   0.97, int8 and Q4 g128 M = 32-256 0.88-0.99, Q4 per row (one group) 1.02 / 0.94 at M = 64 /
+   256. Two A tiles per sweep instead of one (eighteenth session): Q4 g64 M = 64 0.91-0.92,
+   int8 g64 M = 64 / 256 0.92-0.96 / 0.95-0.96, int8 g128 M = 64 0.96, and groups of 32 moved
+   here from one-block sweeps (see run()). Decoding the next pair's first group during the
+   last group: 0.96-1.09, not kept. The sixteenth session's try of this loop (1.15 at Q4
+   M = 64) ran in the harness with a misaligned output (docs/performance.md, seventeenth
+   session). */
 static inline __attribute__((always_inline)) void pair_groups(const job_t* j, int64_t nb, int two, int32_t* ring,
                                                           float* cbuf, float* accp, __m512i tbl, const int ZP) {
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, MP = j->MP;
@@ -241,32 +244,44 @@ static inline __attribute__((always_inline)) void pair_groups(const job_t* j, in
         const int32_t* rg = ring + (gi & 1) * SL;
         __m512 s0, s1, z0, z1;
         group_consts(j, nb, gi, two, ZP, &s0, &s1, &z0, &z1);
-        for (int64_t m0 = 0; m0 < MP; m0 += 16) {
-            _tile_zero(0); _tile_zero(1);
+        for (int64_t m0 = 0; m0 < MP; m0 += 32) {
+            const int twoa = m0 + 16 < MP;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t kk = 0; kk < KS; kk++) {
                 const int64_t ks = gi * KS + kk;
                 _tile_loadd(6, rg + kk * 512, 64);
                 if (two) _tile_loadd(7, rg + kk * 512 + 256, 64);
                 for (int pt = 0; pt < j->parts; pt++) {
-                    _tile_loadd(4, j->xa + pt * MP * K + m0 * K + ks * 512, 64);
+                    const uint16_t* xp = j->xa + pt * MP * K + m0 * K + ks * 512;
+                    _tile_loadd(4, xp, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     if (two) _tile_dpbf16ps(1, 4, 7);
+                    if (twoa) {
+                        _tile_loadd(5, xp + 16 * K, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
                 if (m0 == 0 && gi + 1 < G) GDEC((gi + 1) & 1, kk, (gi + 1) * KS + kk)
             }
             _tile_stored(0, cbuf, 64);
             if (two) _tile_stored(1, cbuf + 256, 64);
-            float* a = accp + m0 * 32;
+            if (twoa) { _tile_stored(2, cbuf + 512, 64); if (two) _tile_stored(3, cbuf + 768, 64); }
+            for (int h = 0; h < 1 + twoa; h++) {
+                const float* cb = cbuf + h * 512;
+                float* a = accp + (m0 + h * 16) * 32;
+                const int64_t mr = m0 + h * 16;
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {
-                __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
-                if (ZP) {
-                    const __m512 xs = _mm512_set1_ps(j->xs[(m0 + i) * G + gi]);
-                    t0 = _mm512_fnmadd_ps(z0, xs, t0);
-                    t1 = _mm512_fnmadd_ps(z1, xs, t1);
+                for (int i = 0; i < 16; i++) {
+                    __m512 t0 = _mm512_load_ps(cb + i * 16), t1 = _mm512_load_ps(cb + 256 + i * 16);
+                    if (ZP) {
+                        const __m512 xs = _mm512_set1_ps(j->xs[(mr + i) * G + gi]);
+                        t0 = _mm512_fnmadd_ps(z0, xs, t0);
+                        t1 = _mm512_fnmadd_ps(z1, xs, t1);
+                    }
+                    _mm512_store_ps(a + i * 32, gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, _mm512_load_ps(a + i * 32)));
+                    _mm512_store_ps(a + i * 32 + 16, gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, _mm512_load_ps(a + i * 32 + 16)));
                 }
-                _mm512_store_ps(a + i * 32, gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, _mm512_load_ps(a + i * 32)));
-                _mm512_store_ps(a + i * 32 + 16, gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, _mm512_load_ps(a + i * 32 + 16)));
             }
         }
     }
@@ -297,9 +312,9 @@ static void* run(void* arg) {
     /* M <= 16: the 4 KiB ring of sweep_unrolled's JIT instances; else two decoded pairs */
     int32_t* wbuf = aligned_alloc(64, j->MP == 16 ? 4096 : 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
-    float* cbuf = aligned_alloc(64, 2 * 16 * 16 * sizeof(float));  /* two C tiles, as stored for scaling */
+    float* cbuf = aligned_alloc(64, 4 * 16 * 16 * sizeof(float));  /* four C tiles, as stored for scaling */
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
-    memset(cbuf, 0, 2 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
+    memset(cbuf, 0, 4 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
     {   /* Fault in this thread's output pages in address order first: a fresh output (every
            call's) faulted in the kernel's order - 16-32 rows at a time, a 2*V-byte stride -
            cost ~2x more (Xeon with AMX, Gemma head M = 256: 92.7 -> 79 ms with the stores below). */
@@ -324,21 +339,23 @@ static void* run(void* arg) {
             sweep(j, NULL, nb + 1 < j->nb1, wbuf, 0, nb, 0, cbuf, acc, tbl);
         goto done;
     }
-    /* M > 16: one-block sweeps (groups of 32), pair_groups (larger groups, and 4-bit per row)
-       or the memory loop (int8 per row: against the unrolled sweeps at M = 256 it measured
-       1.1x faster, the 2 x 2 tiles load fewer tiles per dot and its one epilogue per sweep is
-       cheap; fifteenth session, misaligned harness output) */
+    /* M > 16: pair_groups (4-bit and grouped int8 tables; groups of 32 up to M = 128), one-block
+       sweeps (groups of 32 above M = 128) or the memory loop (int8 per row: against the
+       unrolled sweeps at M = 256 it measured 1.1x faster, the 2 x 2 tiles load fewer tiles per
+       dot and its one epilogue per sweep is cheap; fifteenth session, misaligned harness output) */
     const int unrolled = j->bits == 4 || j->G > 1;
-    /* Groups of 32 (a scaling after every tile dot): one block per sweep, its 16 sums in
-       registers where two blocks' 32 spill to the stack, the rows' sums of both blocks
-       gathered in accp for the output's whole lines. Interleaved C A/B, Gemma-size head,
-       Xeon with AMX, outputs identical: Q4 g32 M = 32 / 64 / 128 / 256 0.92-0.93 / 0.94-0.96 /
-       0.92 / 0.89-0.91, int8 g32 0.94 / 0.98 / 0.92 / 0.88; with groups of 64 or 128 (half
-       the scalings or fewer) the extra tile loads cost more than the spills: 0.98-1.09. */
-    const int one = unrolled && KS == 1;
+    /* Groups of 32 above M = 128 (a scaling after every tile dot): one block per sweep, its 16
+       sums in registers where two blocks' 32 spill to the stack, the rows' sums of both blocks
+       gathered in accp for the output's whole lines (C A/B against two-block sweeps, Q4 g32
+       M = 32-256 0.89-0.96). pair_groups' 2 x 2 tiles beat it up to M = 128 (C A/B, Q4 g32
+       M = 17 / 32 / 64 / 96 / 128 0.88 / 0.88 / 0.89-0.90 / 0.92 / 0.98, int8 g32 M = 64 / 128
+       0.88 / 0.94) and lose above (M = 160 / 192 / 256 1.01 / 0.99 / 1.08-1.11: its [MP][32]
+       sums, 32 KiB at M = 256, re-read after every tile dot, no longer stay in L1 beside the
+       activation tiles). */
+    const int one = unrolled && KS == 1 && j->MP > 128;
     float* accp = unrolled ? aligned_alloc(64, j->MP * 32 * sizeof(float)) : NULL;
     if (unrolled && !accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
-    if (unrolled && !one) {  /* groups of 64 and more */
+    if (unrolled && !one) {
         for (int64_t nb = j->nb0; nb < j->nb1; nb += 2) {
             const int two = nb + 1 < j->nb1;
             (j->z ? pair_groups_1 : pair_groups_0)(j, nb, two, wbuf, cbuf, accp, tbl);
