@@ -16,12 +16,12 @@
    64 bytes: pair p, table row n). A tiles are 16 activation rows x 32 columns of x, stored
    tile by tile (1 KiB each, see head_amx).
    Tiles: C 0-3 = (activation tile a, table block b) for a, b in {0, 1}; A 4-5; B 6-7.
-   Three loops: sweep_unrolled (one A tile x two blocks per sweep at M <= 16, one block with
-   groups of 32 above; every group's scaling unrolled over the tile's rows), pair_groups
-   (M > 16, 4-bit and grouped int8 tables with groups of 64 and more: the group loop outside
-   the A tiles, each group's B tiles in L1) and the memory loop (2 x 2 tiles, epilogue() per
-   C tile: int8 per row at M > 16, whose one epilogue per sweep is cheap beside the 2 x 2
-   tiles' fewer tile loads).
+   Three loops: sweep_jit (M <= 16: one A tile x two blocks per sweep, each k-step's B tiles
+   decoded just in time, every group's scaling unrolled over the tile's rows), pair_groups
+   (M > 16, 4-bit and grouped int8 tables: the group loop outside the A tiles, each group's
+   B tiles in L1, 2 x 2 C tiles, one or two groups per sweep) and the memory loop (2 x 2
+   tiles, epilogue() per C tile: int8 per row at M > 16, whose one epilogue per sweep is
+   cheap beside the 2 x 2 tiles' fewer tile loads).
    Needs Linux's permission for tile data (arch_prctl(ARCH_REQ_XCOMP_PERM)): amx_init(). */
 #include <stdint.h>
 #include <string.h>
@@ -126,46 +126,40 @@ static inline __attribute__((always_inline)) void group_consts(const job_t* j, i
     }
 }
 
-/* The block pair nb (decoded in wd; two: both blocks exist) against the activation rows
-   [m0, m0 + 16): after each group's tile dots its two C tiles are stored and scaled into
-   2 x RN sums, the row loop unrolled (RN = 8 or 16 and ZP, zero points or not, constants per
-   instance; rows past M are the A tile's zero padding, summed and not stored). The operations
-   and their order are epilogue()'s, so the bits are too. Not registers: 32 sums, two scales
-   and the tile's values exceed the 32 zmm, and GCC 12 keeps the C values in registers and
-   the sums in stack slots (a memory operand of each FMA); still faster than epilogue()'s
-   runtime-bounded loop per C tile (measured at the kernel's row choice in run()). While the
-   first sweep's tiles run (dn), the next block pair is decoded into wn, one k-step at a time.
-   JIT (M <= 16, m0 = 0, wd unused): the pair's own B tiles are decoded into the ring wn one
-   k-step ahead of their loads (DECODE_STEP), and the next pair's codes are prefetched. */
-static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j, const int32_t* wd, int two, int32_t* wn,
-                                                             int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,
-                                                             __m512i tbl, const int RN, const int ZP, const int JIT,
-                                                             const int ONE) {
+/* M <= 16: the block pair nb (two: both blocks exist) against the activation rows [0, 16),
+   one sweep: each k-step's B tiles decoded into the ring (4 KiB, L1) one k-step ahead of
+   their loads (DECODE_STEP), the next pair's codes prefetched; after each group's tile dots
+   its two C tiles are stored and scaled into 2 x RN sums, the row loop unrolled (RN = 8 or
+   16 and ZP, zero points or not, constants per instance; rows past M are the A tile's zero
+   padding, summed and not stored). The operations and their order are epilogue()'s, so the
+   bits are too. Not registers: 32 sums, two scales and the tile's values exceed the 32 zmm,
+   and GCC 12 keeps the C values in registers and the sums in stack slots (a memory operand
+   of each FMA); still faster than epilogue()'s runtime-bounded loop per C tile. */
+static inline __attribute__((always_inline)) void sweep_jit(const job_t* j, int two, int32_t* ring, int64_t nb,
+                                                        float* cbuf, float* acc, __m512i tbl, const int RN,
+                                                        const int ZP) {
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, NS = K / 32;
-    const int32_t* wd1 = wd + KP * 16;
-    const uint16_t* xa = j->xa + m0 * K;
     const int64_t cb = j->bits == 8 ? 32 : 16;  /* code bytes per column pair of a block */
-    const uint8_t* pf = JIT && nb + 3 < j->nb1 ? j->w + (nb + 2) * KP * cb : NULL;  /* the next pair's codes */
+    const uint8_t* pf = nb + 3 < j->nb1 ? j->w + (nb + 2) * KP * cb : NULL;  /* the next pair's codes */
     __m512 r0[16], r1[16];
-    if (JIT) DECODE_STEP(wn, 0)
+    DECODE_STEP(ring, 0)
     for (int64_t gi = 0; gi < G; gi++) {
         _tile_zero(0); _tile_zero(1);
         for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-            const int32_t* b0 = JIT ? wn + (ks & 1) * 512 : wd + ks * 16 * 16;
+            const int32_t* b0 = ring + (ks & 1) * 512;
             _tile_loadd(6, b0, 64);
-            if (two) _tile_loadd(7, JIT ? b0 + 256 : wd1 + ks * 16 * 16, 64);
+            if (two) _tile_loadd(7, b0 + 256, 64);
             for (int pt = 0; pt < j->parts; pt++) {
-                _tile_loadd(4, xa + pt * j->MP * K + ks * 512, 64);
+                _tile_loadd(4, j->xa + pt * j->MP * K + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) _tile_dpbf16ps(1, 4, 7);
             }
-            if (JIT) {  /* the next k-step's B tiles, and the next pair's codes toward L1 */
-                if (ks + 1 < NS) DECODE_STEP(wn, ks + 1)
-                if (pf) for (int64_t l = 0; l < 16 * cb; l += 64) {
-                    _mm_prefetch((const char*)pf + ks * 16 * cb + l, _MM_HINT_T0);
-                    _mm_prefetch((const char*)pf + (KP + ks * 16) * cb + l, _MM_HINT_T0);
-                }
-            } else if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
+            /* the next k-step's B tiles, and the next pair's codes toward L1 */
+            if (ks + 1 < NS) DECODE_STEP(ring, ks + 1)
+            if (pf) for (int64_t l = 0; l < 16 * cb; l += 64) {
+                _mm_prefetch((const char*)pf + ks * 16 * cb + l, _MM_HINT_T0);
+                _mm_prefetch((const char*)pf + (KP + ks * 16) * cb + l, _MM_HINT_T0);
+            }
         }
         _tile_stored(0, cbuf, 64);
         if (two) _tile_stored(1, cbuf + 256, 64);
@@ -175,7 +169,7 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
         for (int i = 0; i < RN; i++) {
             __m512 t0 = _mm512_load_ps(cbuf + i * 16), t1 = _mm512_load_ps(cbuf + 256 + i * 16);
             if (ZP) {  /* xs has zero rows up to MP */
-                const __m512 xs = _mm512_set1_ps(j->xs[(m0 + i) * G + gi]);
+                const __m512 xs = _mm512_set1_ps(j->xs[i * G + gi]);
                 t0 = _mm512_fnmadd_ps(z0, xs, t0);
                 t1 = _mm512_fnmadd_ps(z1, xs, t1);
             }
@@ -183,114 +177,121 @@ static inline __attribute__((always_inline)) void sweep_unrolled(const job_t* j,
             r1[i] = gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, r1[i]);
         }
     }
-    if (ONE) {  /* one block (two = 0): its sums into the pair's [MP][32] buffer, see run() */
-#pragma GCC unroll 16
-        for (int i = 0; i < RN; i++) _mm512_store_ps(acc + i * 32, r0[i]);
-        return;
-    }
 #pragma GCC unroll 16
     for (int i = 0; i < RN; i++) {
         _mm512_store_ps(acc + i * 16, r0[i]);
         _mm512_store_ps(acc + (32 + i) * 16, r1[i]);
     }
-    for (int64_t i = 0; i < RN && m0 + i < j->M; i++)
-        store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
+    for (int64_t i = 0; i < RN && i < j->M; i++)
+        store_row(j, i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
 }
 
 /* one function per instance, compiled apart: four instances inlined into run() made the
-   16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64). M <= 16: the
-   just-in-time ring (JIT, 8 or 16 rows); M > 16 with groups of 32: the decoded pair, one
-   block and 16 rows a sweep (ONE: two = 0 constant, so its 16 sums stay in registers). */
-typedef void (*sweep_fn)(const job_t*, const int32_t*, int, int32_t*, int, int64_t, int64_t, float*, float*, __m512i);
-#define SWEEP_FN(RN, ZP, JIT) static __attribute__((noinline)) void sweep_##RN##_##ZP##_##JIT(const job_t* j,   \
-        const int32_t* wd, int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc,       \
-        __m512i tbl) { sweep_unrolled(j, wd, two, wn, dn, nb, m0, cbuf, acc, tbl, RN, ZP, JIT, 0); }
-#define SWEEP1_FN(ZP) static __attribute__((noinline)) void sweep1_##ZP(const job_t* j, const int32_t* wd,   \
-        int two, int32_t* wn, int dn, int64_t nb, int64_t m0, float* cbuf, float* acc, __m512i tbl) {         \
-        (void)two; sweep_unrolled(j, wd, 0, wn, dn, nb, m0, cbuf, acc, tbl, 16, ZP, 0, 1); }
-SWEEP1_FN(0)
-SWEEP1_FN(1)
-SWEEP_FN(8, 0, 1)
-SWEEP_FN(8, 1, 1)
-SWEEP_FN(16, 0, 1)
-SWEEP_FN(16, 1, 1)
-static const sweep_fn SWEEPS[6] = {sweep_8_0_1, sweep_8_1_1, sweep_16_0_1, sweep_16_1_1, sweep1_0, sweep1_1};
+   16-row ones ~10 % slower (Xeon with AMX, Gemma-size head, M = 64). */
+typedef void (*sweep_fn)(const job_t*, int, int32_t*, int64_t, float*, float*, __m512i);
+#define SWEEP_FN(RN, ZP) static __attribute__((noinline)) void sweep_##RN##_##ZP(const job_t* j, int two,          \
+        int32_t* ring, int64_t nb, float* cbuf, float* acc, __m512i tbl) { sweep_jit(j, two, ring, nb, cbuf, acc, tbl, RN, ZP); }
+SWEEP_FN(8, 0)
+SWEEP_FN(8, 1)
+SWEEP_FN(16, 0)
+SWEEP_FN(16, 1)
+static const sweep_fn SWEEPS[4] = {sweep_8_0, sweep_8_1, sweep_16_0, sweep_16_1};
 
-/* The group loop outside the sweeps (4-bit and grouped int8 tables at M > 16; groups of 32 up
-   to M = 128): for each group, its B tiles of both blocks decoded into a ring (two slots of
-   2 KiB per k-step of a group: L1), the next group's during this group's first sweep; then
-   the group's dots for two A tiles at a time (2 x 2 C tiles: each tile load serves two dots),
-   each C tile scaled into the pair's [MP][32] sums (the operations and order of
-   sweep_unrolled's scaling, so the bits too). Replaced the sweeps of one A tile x both blocks
-   over a decoded pair (40 KiB of B tiles: L2, re-read by every sweep): interleaved C A/B,
-   Gemma-size head, Xeon with AMX, outputs identical: int8 g64 M = 17 / 32 / 48 / 64 / 128 / 256
-   0.89 / 0.95 / 0.88 / 0.85-0.92 / 0.88 / 0.98, Q4 g64 0.78 / 0.95 / 0.91 / 0.88-0.93 / 0.90 /
-   0.97, int8 and Q4 g128 M = 32-256 0.88-0.99, Q4 per row (one group) 1.02 / 0.94 at M = 64 /
-   256. Two A tiles per sweep instead of one (eighteenth session): Q4 g64 M = 64 0.91-0.92,
-   int8 g64 M = 64 / 256 0.92-0.96 / 0.95-0.96, int8 g128 M = 64 0.96, and groups of 32 moved
-   here from one-block sweeps (see run()). Decoding the next pair's first group during the
-   last group: 0.96-1.09, not kept. The sixteenth session's try of this loop (1.15 at Q4
-   M = 64) ran in the harness with a misaligned output (docs/performance.md, seventeenth
-   session). */
+/* The group loop outside the sweeps (4-bit and grouped int8 tables at M > 16): GP groups
+   (1 or 2) at a time, their B tiles of both blocks decoded into a ring slot (2 KiB per
+   k-step: L1), the next GP groups' into the other slot during the first sweep; then the
+   groups' dots for two A tiles at a time (2 x 2 C tiles: each tile load serves two dots),
+   every C tile stored, and each row's sums of the pair ([MP][32]) read once, scaled with
+   the GP groups in order (the operations and order of sweep_jit's scaling, so the bits
+   too) and stored once. Interleaved C A/B, Gemma-size head, Xeon with AMX, outputs
+   identical: against sweeps of one A tile x both blocks over a decoded pair (40 KiB of B
+   tiles: L2, re-read by every sweep) int8 g64 M = 17-256 0.85-0.98, Q4 g64 0.78-0.97, g128
+   0.88-0.99 (seventeenth session, one A tile a sweep); two A tiles instead of one: Q4 g64
+   M = 64 0.91, int8 g64 M = 64 / 256 0.95-0.97 / 0.95; two groups a sweep (a row's sums
+   stored once per two groups, the stores being what bounds a C tile's scaling): groups of
+   32 M = 17-128 0.91-0.97 and M = 160-512 0.88-0.92 against one group, which itself beat
+   the one-block sweeps these replaced (0.86-0.92 up to M = 128, 1.01-1.11 above); groups
+   of 64 M = 64 1.04-1.05 (kept at one), M = 128 / 256 0.96 / 0.87-0.89; g128 0.97-1.03.
+   Not kept: four blocks a sweep for groups of 32 (each A tile loaded once for both pairs:
+   0.92-1.00; with two groups a sweep 1.05-1.13, its ring, C tiles and sums past L1),
+   four groups a sweep (1.03-1.04), decoding the next pair's first group during the last
+   group (0.96-1.09). */
 static inline __attribute__((always_inline)) void pair_groups(const job_t* j, int64_t nb, int two, int32_t* ring,
-                                                          float* cbuf, float* accp, __m512i tbl, const int ZP) {
+                                                          float* cbuf, float* accp, __m512i tbl, const int ZP, const int GP) {
     const int64_t K = j->K, KP = K / 2, G = j->G, KS = j->g / 32, MP = j->MP;
-    const int64_t SL = KS * 512;  /* one ring slot: KS k-steps x 2 blocks x 16 pairs x 16 int32 */
-#define GDEC(slot, kk, ks) for (int b_ = 0; b_ < 1 + two; b_++) for (int p_ = 0; p_ < 16; p_++)          \
-        _mm512_store_si512(ring + (slot) * SL + ((kk) * 2 + b_) * 256 + p_ * 16,                          \
+    const int64_t SL = (G < GP ? G : GP) * KS * 512;  /* one ring slot: GP groups x KS k-steps x 2 blocks x 16 pairs x 16 int32 */
+#define GDEC(slot, q, ks) for (int b_ = 0; b_ < 1 + two; b_++) for (int p_ = 0; p_ < 16; p_++)          \
+        _mm512_store_si512(ring + (slot) * SL + ((q) * 2 + b_) * 256 + p_ * 16,                          \
                            dec_pair(j->w, j->bits, (nb + b_) * KP + (ks) * 16 + p_, tbl));
-    for (int64_t kk = 0; kk < KS; kk++) GDEC(0, kk, kk)
-    for (int64_t gi = 0; gi < G; gi++) {
-        const int32_t* rg = ring + (gi & 1) * SL;
-        __m512 s0, s1, z0, z1;
-        group_consts(j, nb, gi, two, ZP, &s0, &s1, &z0, &z1);
+    for (int64_t q = 0; q < (G < GP ? G : GP) * KS; q++) GDEC(0, q, q)
+    for (int64_t g0 = 0, sl = 0; g0 < G; g0 += GP, sl ^= 1) {
+        const int ng = G - g0 < GP ? (int)(G - g0) : GP;
+        const int64_t nq = (G - g0 - ng < GP ? G - g0 - ng : GP) * KS;  /* k-steps of the next sweep's groups */
+        const int32_t* rg = ring + sl * SL;
+        __m512 s0[2], s1[2], z0[2], z1[2];
+        for (int gg = 0; gg < ng; gg++) group_consts(j, nb, g0 + gg, two, ZP, &s0[gg], &s1[gg], &z0[gg], &z1[gg]);
         for (int64_t m0 = 0; m0 < MP; m0 += 32) {
             const int twoa = m0 + 16 < MP;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t kk = 0; kk < KS; kk++) {
-                const int64_t ks = gi * KS + kk;
-                _tile_loadd(6, rg + kk * 512, 64);
-                if (two) _tile_loadd(7, rg + kk * 512 + 256, 64);
-                for (int pt = 0; pt < j->parts; pt++) {
-                    const uint16_t* xp = j->xa + pt * MP * K + m0 * K + ks * 512;
-                    _tile_loadd(4, xp, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two) _tile_dpbf16ps(1, 4, 7);
-                    if (twoa) {
-                        _tile_loadd(5, xp + 16 * K, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two) _tile_dpbf16ps(3, 5, 7);
+            for (int gg = 0; gg < ng; gg++) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kk = 0; kk < KS; kk++) {
+                    const int64_t q = gg * KS + kk, ks = g0 * KS + q;
+                    _tile_loadd(6, rg + q * 512, 64);
+                    if (two) _tile_loadd(7, rg + q * 512 + 256, 64);
+                    for (int pt = 0; pt < j->parts; pt++) {
+                        const uint16_t* xp = j->xa + pt * MP * K + m0 * K + ks * 512;
+                        _tile_loadd(4, xp, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) _tile_dpbf16ps(1, 4, 7);
+                        if (twoa) {
+                            _tile_loadd(5, xp + 16 * K, 64);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
                     }
+                    if (m0 == 0 && q < nq) GDEC(sl ^ 1, q, (g0 + GP) * KS + q)
                 }
-                if (m0 == 0 && gi + 1 < G) GDEC((gi + 1) & 1, kk, (gi + 1) * KS + kk)
+                float* cb = cbuf + gg * 1024;
+                _tile_stored(0, cb, 64);
+                if (two) _tile_stored(1, cb + 256, 64);
+                if (twoa) { _tile_stored(2, cb + 512, 64); if (two) _tile_stored(3, cb + 768, 64); }
             }
-            _tile_stored(0, cbuf, 64);
-            if (two) _tile_stored(1, cbuf + 256, 64);
-            if (twoa) { _tile_stored(2, cbuf + 512, 64); if (two) _tile_stored(3, cbuf + 768, 64); }
             for (int h = 0; h < 1 + twoa; h++) {
-                const float* cb = cbuf + h * 512;
                 float* a = accp + (m0 + h * 16) * 32;
                 const int64_t mr = m0 + h * 16;
 #pragma GCC unroll 16
                 for (int i = 0; i < 16; i++) {
-                    __m512 t0 = _mm512_load_ps(cb + i * 16), t1 = _mm512_load_ps(cb + 256 + i * 16);
-                    if (ZP) {
-                        const __m512 xs = _mm512_set1_ps(j->xs[(mr + i) * G + gi]);
-                        t0 = _mm512_fnmadd_ps(z0, xs, t0);
-                        t1 = _mm512_fnmadd_ps(z1, xs, t1);
+                    __m512 r0 = _mm512_setzero_ps(), r1 = r0;
+                    if (g0) { r0 = _mm512_load_ps(a + i * 32); r1 = _mm512_load_ps(a + i * 32 + 16); }
+#pragma GCC unroll 4
+                    for (int gg = 0; gg < GP; gg++) {
+                        if (gg >= ng) break;
+                        const float* cb = cbuf + gg * 1024 + h * 512;
+                        __m512 t0 = _mm512_load_ps(cb + i * 16), t1 = _mm512_load_ps(cb + 256 + i * 16);
+                        if (ZP) {
+                            const __m512 xs = _mm512_set1_ps(j->xs[(mr + i) * G + g0 + gg]);
+                            t0 = _mm512_fnmadd_ps(z0[gg], xs, t0);
+                            t1 = _mm512_fnmadd_ps(z1[gg], xs, t1);
+                        }
+                        r0 = g0 + gg == 0 ? _mm512_mul_ps(t0, s0[gg]) : _mm512_fmadd_ps(t0, s0[gg], r0);
+                        r1 = g0 + gg == 0 ? _mm512_mul_ps(t1, s1[gg]) : _mm512_fmadd_ps(t1, s1[gg], r1);
                     }
-                    _mm512_store_ps(a + i * 32, gi == 0 ? _mm512_mul_ps(t0, s0) : _mm512_fmadd_ps(t0, s0, _mm512_load_ps(a + i * 32)));
-                    _mm512_store_ps(a + i * 32 + 16, gi == 0 ? _mm512_mul_ps(t1, s1) : _mm512_fmadd_ps(t1, s1, _mm512_load_ps(a + i * 32 + 16)));
+                    _mm512_store_ps(a + i * 32, r0);
+                    _mm512_store_ps(a + i * 32 + 16, r1);
                 }
             }
         }
     }
 #undef GDEC
 }
-static __attribute__((noinline)) void pair_groups_0(const job_t* j, int64_t nb, int two, int32_t* ring, float* cbuf,
-                                                    float* accp, __m512i tbl) { pair_groups(j, nb, two, ring, cbuf, accp, tbl, 0); }
-static __attribute__((noinline)) void pair_groups_1(const job_t* j, int64_t nb, int two, int32_t* ring, float* cbuf,
-                                                    float* accp, __m512i tbl) { pair_groups(j, nb, two, ring, cbuf, accp, tbl, 1); }
+#define PG_FN(ZP, GP) static __attribute__((noinline)) void pair_groups_##ZP##_##GP(const job_t* j, int64_t nb, int two,   \
+        int32_t* ring, float* cbuf, float* accp, __m512i tbl) { pair_groups(j, nb, two, ring, cbuf, accp, tbl, ZP, GP); }
+PG_FN(0, 1)
+PG_FN(1, 1)
+PG_FN(0, 2)
+PG_FN(1, 2)
+typedef void (*pg_fn)(const job_t*, int64_t, int, int32_t*, float*, float*, __m512i);
+static const pg_fn PAIR_GROUPS[4] = {pair_groups_0_1, pair_groups_1_1, pair_groups_0_2, pair_groups_1_2};
 
 static void* run(void* arg) {
     const job_t* j = (const job_t*)arg;
@@ -309,12 +310,12 @@ static void* run(void* arg) {
        its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
        g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
     const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
-    /* M <= 16: the 4 KiB ring of sweep_unrolled's JIT instances; else two decoded pairs */
+    /* M <= 16: the 4 KiB ring of sweep_jit; else pair_groups' ring or the memory loop's two decoded pairs */
     int32_t* wbuf = aligned_alloc(64, j->MP == 16 ? 4096 : 2 * PB * 4);
     float* acc = aligned_alloc(64, 2 * 32 * 16 * sizeof(float));
-    float* cbuf = aligned_alloc(64, 4 * 16 * 16 * sizeof(float));  /* four C tiles, as stored for scaling */
+    float* cbuf = aligned_alloc(64, 8 * 16 * 16 * sizeof(float));  /* 2 x 4 C tiles, as stored for scaling */
     if (!wbuf || !acc || !cbuf) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
-    memset(cbuf, 0, 4 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
+    memset(cbuf, 0, 8 * 16 * 16 * sizeof(float));  /* one block left: its second tile's sums stay finite */
     {   /* Fault in this thread's output pages in address order first: a fresh output (every
            call's) faulted in the kernel's order - 16-32 rows at a time, a 2*V-byte stride -
            cost ~2x more (Xeon with AMX, Gemma head M = 256: 92.7 -> 79 ms with the stores below). */
@@ -336,29 +337,21 @@ static void* run(void* arg) {
     if (j->MP == 16) {
         const sweep_fn sweep = SWEEPS[(j->M > 8) * 2 + !!j->z];
         for (int64_t nb = j->nb0; nb < j->nb1; nb += 2)
-            sweep(j, NULL, nb + 1 < j->nb1, wbuf, 0, nb, 0, cbuf, acc, tbl);
+            sweep(j, nb + 1 < j->nb1, wbuf, nb, cbuf, acc, tbl);
         goto done;
     }
-    /* M > 16: pair_groups (4-bit and grouped int8 tables; groups of 32 up to M = 128), one-block
-       sweeps (groups of 32 above M = 128) or the memory loop (int8 per row: against the
-       unrolled sweeps at M = 256 it measured 1.1x faster, the 2 x 2 tiles load fewer tiles per
-       dot and its one epilogue per sweep is cheap; fifteenth session, misaligned harness output) */
-    const int unrolled = j->bits == 4 || j->G > 1;
-    /* Groups of 32 above M = 128 (a scaling after every tile dot): one block per sweep, its 16
-       sums in registers where two blocks' 32 spill to the stack, the rows' sums of both blocks
-       gathered in accp for the output's whole lines (C A/B against two-block sweeps, Q4 g32
-       M = 32-256 0.89-0.96). pair_groups' 2 x 2 tiles beat it up to M = 128 (C A/B, Q4 g32
-       M = 17 / 32 / 64 / 96 / 128 0.88 / 0.88 / 0.89-0.90 / 0.92 / 0.98, int8 g32 M = 64 / 128
-       0.88 / 0.94) and lose above (M = 160 / 192 / 256 1.01 / 0.99 / 1.08-1.11: its [MP][32]
-       sums, 32 KiB at M = 256, re-read after every tile dot, no longer stay in L1 beside the
-       activation tiles). */
-    const int one = unrolled && KS == 1 && j->MP > 128;
-    float* accp = unrolled ? aligned_alloc(64, j->MP * 32 * sizeof(float)) : NULL;
-    if (unrolled && !accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
-    if (unrolled && !one) {
+    /* M > 16: pair_groups (4-bit and grouped int8 tables) or the memory loop (int8 per row:
+       against the unrolled sweeps at M = 256 it measured 1.1x faster, the 2 x 2 tiles load
+       fewer tiles per dot and its one epilogue per sweep is cheap; fifteenth session). Two
+       groups per sweep where that measured faster (pair_groups): groups of 32 at every M, 64
+       from M = 128. */
+    if (j->bits == 4 || G > 1) {
+        float* accp = aligned_alloc(64, j->MP * 32 * sizeof(float));
+        if (!accp) { free(wbuf); free(acc); free(cbuf); _tile_release(); return (void*)1; }
+        const pg_fn pg = PAIR_GROUPS[(KS == 1 || (KS == 2 && j->MP >= 128)) * 2 + !!j->z];
         for (int64_t nb = j->nb0; nb < j->nb1; nb += 2) {
             const int two = nb + 1 < j->nb1;
-            (j->z ? pair_groups_1 : pair_groups_0)(j, nb, two, wbuf, cbuf, accp, tbl);
+            pg(j, nb, two, wbuf, cbuf, accp, tbl);
             for (int64_t i = 0; i < j->M; i++)
                 store_row(j, i, nb * 16, accp + i * 32, two ? accp + i * 32 + 16 : NULL);
         }
@@ -370,17 +363,6 @@ static void* run(void* arg) {
         const int two = nb + 1 < j->nb1;
         const int32_t* wd = wbuf + cur * PB, * wd1 = wd + KP * 16;
         int32_t* wn = wbuf + (cur ^ 1) * PB;
-        if (one) {  /* one A tile x one block per sweep (a block's B tiles and a sweep's A tiles:
-                       20 + 20 KiB for Gemma, within L1) */
-            for (int b = 0; b < 1 + two; b++)
-                for (int64_t m0 = 0; m0 < j->MP; m0 += 16) {
-                    const int dn = b == 0 && m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair */
-                    SWEEPS[4 + !!j->z](j, wd + b * KP * 16, 0, wn, dn, nb + b, m0, cbuf, accp + m0 * 32 + b * 16, tbl);
-                }
-            for (int64_t i = 0; i < j->M; i++)
-                store_row(j, i, nb * 16, accp + i * 32, two ? accp + i * 32 + 16 : NULL);
-            continue;
-        }
         for (int64_t m0 = 0; m0 < j->MP; m0 += 32) {
             const int dn = m0 == 0 && nb + 2 < j->nb1;  /* decode the next pair in this sweep */
             const int twoa = m0 + 16 < j->MP;
@@ -411,7 +393,6 @@ static void* run(void* arg) {
                 store_row(j, m0 + i, nb * 16, acc + i * 16, two ? acc + (32 + i) * 16 : NULL);
         }
     }
-    free(accp);
 done:
     _mm_sfence();
     free(wbuf); free(acc); free(cbuf);
@@ -434,7 +415,7 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
        KiB instead of 16 lines 2*K bytes apart (interleaved C A/B, Gemma-size head, Xeon with
        AMX, outputs identical: Q4 g32 M = 8-256 0.96-0.98, int8 g64 0.96-0.99, M = 1 1.00) */
     uint16_t* xa = aligned_alloc(64, parts * MP * K * 2);
-    float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_unrolled) */
+    float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_jit, pair_groups) */
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
     for (int64_t m = 0; m < M; m++) for (int64_t k = 0; k < K; k++) {
