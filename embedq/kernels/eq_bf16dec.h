@@ -8,10 +8,16 @@
 #include <string.h>
 #include <immintrin.h>
 
+/* An int8 code has at most 8 significant bits, so its float32 is exact in bf16: the float32's
+   upper 16 bits are its bf16. One word permute gathers them (words 0..15 from lo: pair-
+   interleaved), where vcvtne2ps2bf16 rounded what needs no rounding (two uops; interleaved
+   C A/B in the AMX kernel, int8 g64, Xeon with AMX: M = 8 / 16 0.94-0.96, M = 64 0.98-1.00). */
 static inline __m512i dec8(const int8_t* p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* words 0..15 from lo: pair-interleaved */
+    const __m512i up = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), up, _mm512_castps_si512(hi));
 }
 
 static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
