@@ -79,3 +79,44 @@ def test_outputs_below_the_output_floor_keep_torch_allocation():
     assert out.untyped_storage().nbytes() == n * 2  # torch.empty: no oversized view
     if sys.platform.startswith("linux") and n * 2 >= hugepages.HUGE_MIN_BYTES:
         assert tab.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the output pool is Linux's mmap path")
+@pytest.mark.parametrize("hold", ["view", "numpy", "dlpack"])
+def test_an_output_is_reused_only_after_torch_frees_its_storage(hold, monkeypatch):
+    """Pooled outputs: a mapping goes back to the pool only when nothing can reach the tensor's
+    memory any more (a view, a numpy array or a DLPack capsule keeps it out); the pool keeps at
+    most POOL_BYTES of free mappings."""
+    import gc
+
+    import torch.utils.dlpack as dlpack
+
+    shape = (hugepages.HUGE_MIN_OUTPUT // 2 // 4, 4)  # int16: exactly the output floor
+    monkeypatch.setattr(hugepages, "_pool", {})
+
+    def fresh():
+        t = hugepages.huge_empty(shape, torch.int16)
+        assert t.shape == shape and t.data_ptr() % hugepages.HUGE_PAGE == 0
+        return t
+
+    a = fresh()
+    a.fill_(3)
+    addr = a.data_ptr()
+    holder = {"view": lambda: a[1:2], "numpy": a.numpy, "dlpack": lambda: dlpack.to_dlpack(a)}[hold]()
+    del a
+    gc.collect()
+    b = fresh()
+    assert b.data_ptr() != addr  # not handed out while something can still read it
+    del b, holder
+    gc.collect()
+    got = [fresh(), fresh()]
+    assert addr in [t.data_ptr() for t in got]  # freed: reused, its pages already faulted in
+    assert int(next(t for t in got if t.data_ptr() == addr)[1, 0]) == 3  # contents not cleared
+    del got
+    gc.collect()
+    monkeypatch.setattr(hugepages, "_pool", {})
+    monkeypatch.setattr(hugepages, "POOL_BYTES", 0)
+    d = fresh()
+    del d
+    gc.collect()
+    assert not any(hugepages._pool.values())  # beyond POOL_BYTES a freed mapping is dropped
