@@ -197,6 +197,25 @@ SWEEP_FN(16, 0)
 SWEEP_FN(16, 1)
 static const sweep_fn SWEEPS[4] = {sweep_8_0, sweep_8_1, sweep_16_0, sweep_16_1};
 
+/* One k-step of the 2 x 2 tiles: B tiles b0 (and b1, two) against the activation tiles at x
+   (rows m0.., this k-step; x + 16 * K: the next 16 rows, twoa), every bf16 part of x. */
+static inline __attribute__((always_inline)) void dots_2x2(const job_t* j, const int32_t* b0, const int32_t* b1,
+                                                       const uint16_t* x, int two, int twoa) {
+    _tile_loadd(6, b0, 64);
+    if (two) _tile_loadd(7, b1, 64);
+    for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
+        const uint16_t* xp = x + pt * j->MP * j->K;
+        _tile_loadd(4, xp, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) _tile_dpbf16ps(1, 4, 7);
+        if (twoa) {
+            _tile_loadd(5, xp + 16 * j->K, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* The group loop outside the sweeps (4-bit and grouped int8 tables at M > 16): GP groups
    (1 or 2) at a time, their B tiles of both blocks decoded into a ring slot (2 KiB per
    k-step: L1), the next GP groups' into the other slot during the first sweep; then the
@@ -236,19 +255,7 @@ static inline __attribute__((always_inline)) void pair_groups(const job_t* j, in
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t kk = 0; kk < KS; kk++) {
                     const int64_t q = gg * KS + kk, ks = g0 * KS + q;
-                    _tile_loadd(6, rg + q * 512, 64);
-                    if (two) _tile_loadd(7, rg + q * 512 + 256, 64);
-                    for (int pt = 0; pt < j->parts; pt++) {
-                        const uint16_t* xp = j->xa + pt * MP * K + m0 * K + ks * 512;
-                        _tile_loadd(4, xp, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (two) _tile_dpbf16ps(1, 4, 7);
-                        if (twoa) {
-                            _tile_loadd(5, xp + 16 * K, 64);
-                            _tile_dpbf16ps(2, 5, 6);
-                            if (two) _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
+                    dots_2x2(j, rg + q * 512, rg + q * 512 + 256, j->xa + m0 * K + ks * 512, two, twoa);
                     if (m0 == 0 && q < nq) GDEC(sl ^ 1, q, (g0 + GP) * KS + q)
                 }
                 float* cb = cbuf + gg * 1024;
@@ -370,19 +377,7 @@ static void* run(void* arg) {
             for (int64_t gi = 0; gi < G; gi++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t ks = gi * KS; ks < (gi + 1) * KS; ks++) {
-                    _tile_loadd(6, wd + ks * 16 * 16, 64);
-                    if (two) _tile_loadd(7, wd1 + ks * 16 * 16, 64);
-                    for (int pt = 0; pt < j->parts; pt++) {  /* the bf16 parts of x */
-                        const uint16_t* xp = xa + pt * j->MP * K + ks * 512;
-                        _tile_loadd(4, xp, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (two) _tile_dpbf16ps(1, 4, 7);
-                        if (twoa) {
-                            _tile_loadd(5, xp + 16 * K, 64);
-                            _tile_dpbf16ps(2, 5, 6);
-                            if (two) _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
+                    dots_2x2(j, wd + ks * 16 * 16, wd1 + ks * 16 * 16, xa + ks * 512, two, twoa);
                     if (dn) DECODE(wn, nb + 2, ks * 16, ks * 16 + 16)  /* while the tiles run */
                 }
                 STORE_C(0, 0, 0);
