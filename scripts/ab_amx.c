@@ -2,7 +2,9 @@
    shared objects dlopen'ed in one process, so a noisy host slows both alike.
 
      check: every output of B equal to A's, bit for bit (4/8-bit, g32/64/128, sym/asym, float32 /
-            bf16 / float16 activations, M = 1 .. 130 across every sum loop, odd block counts)
+            bf16 / float16 activations - bf16 and float16 both as raw patterns down to subnormal
+            and bf16 also moderate, so the int8 kernel's scaled and unscaled decodes both run -,
+            M = 1 .. 130 across every sum loop, odd block counts)
      time:  a synthetic Gemma-size table (262,144 x 640), bf16 activations, 21 rounds alternating
             A and B; prints both medians and the paired ratio B/A, median [quartiles]
 
@@ -45,7 +47,8 @@ static int check(head_t A, head_t B) {
     static const int Ms[] = {1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 130};
     int bad = 0;
     for (int bits = 4; bits <= 8; bits += 4) for (int g = 32; g <= 128; g *= 2) for (int zi = 0; zi < 2; zi++)
-    for (int mi = 0; mi < (int)(sizeof Ms / sizeof *Ms); mi++) for (int xk = 0; xk < 3; xk++) {
+    for (int mi = 0; mi < (int)(sizeof Ms / sizeof *Ms); mi++) for (int xv = 0; xv < 4; xv++) {
+        const int xk = xv == 3 ? 1 : xv;  /* 3: bf16 of the float32 values (normal, moderate) */
         const int64_t M = Ms[mi], V = 1000 + 8 + 16 * mi, K = 384, VP = (V + 15) / 16 * 16;
         const int64_t wb = bits == 8 ? VP * K : VP * K / 2, ns = VP * K / g;
         uint8_t* w = malloc(wb);
@@ -55,12 +58,13 @@ static int check(head_t A, head_t B) {
         for (int64_t i = 0; i < wb; i++) w[i] = rand();
         for (int64_t i = 0; i < ns; i++) { s[i] = 0x3c00 + (rand() & 1023); if (z) z[i] = rand() % 7 - 3; }
         for (int64_t k = 0; k < M * K; k++) x[k] = (rand() % 20001 - 10000) / 1234.567f;
-        if (xk) for (int64_t k = 0; k < M * K; k++) ((uint16_t*)x)[k] = rand() & 0x3fff;
+        if (xv == 1 || xv == 2) for (int64_t k = 0; k < M * K; k++) ((uint16_t*)x)[k] = rand() & 0x3fff;
+        if (xv == 3) for (int64_t k = 0; k < M * K; k++) { uint32_t u; memcpy(&u, x + k, 4); ((uint16_t*)x)[k] = u >> 16; }
         const int es = xk == 0 ? 4 : 2;
         char* o1 = calloc(V * M, es), * o2 = calloc(V * M, es);
         int ra = A(w, s, 2, z, bits, V, K, g, x, xk, M, o1, V, 2), rb = B(w, s, 2, z, bits, V, K, g, x, xk, M, o2, V, 2);
         if (ra || rb || memcmp(o1, o2, V * M * es)) {
-            printf("DIFF bits %d g %d z %d M %ld xkind %d (rc %d %d)\n", bits, g, zi, (long)M, xk, ra, rb);
+            printf("DIFF bits %d g %d z %d M %ld x %d (rc %d %d)\n", bits, g, zi, (long)M, xv, ra, rb);
             bad = 1;
         }
         free(w); free(s); free(z); free(x); free(o1); free(o2);

@@ -20,6 +20,21 @@ static inline __m512i dec8(const int8_t* p) {
     return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), up, _mm512_castps_si512(hi));
 }
 
+#ifdef __AVX512FP16__
+/* dec8's codes times 2^-112, in four uops where dec8 takes five (three on the shuffle port):
+   an int8 code's float16 (vcvtw2ph, exact) shifted right by 3 (arithmetic) and masked to
+   0x8FFF is sign | exponent | top 7 mantissa bits with the exponent field left at float16's
+   (bias 15, not bf16's 127): the bf16 of q * 2^-112, normal for every q != 0, 0 for 0. The
+   caller scales the other operand by 2^56 and the scales by 2^56 (powers of two: the same
+   bits wherever nothing leaves the normal range - native_amx.c checks its activations).
+   Decode loop alone, Xeon with AMX: 3.2 TSC cycles per 32 codes against dec8's 4.4-4.9. */
+static inline __m512i dec8s(const int8_t* p) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    const __m512i h = _mm512_castph_si512(_mm512_cvtepi16_ph(w));
+    return _mm512_and_si512(_mm512_srai_epi16(h, 3), _mm512_set1_epi16((short)0x8FFF));
+}
+#endif
+
 static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));

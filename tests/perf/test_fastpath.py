@@ -191,6 +191,29 @@ def test_amx_streaming_stores_past_8_mib(bits, group, sym, dt, m):
     assert p.last_kernel == "native_amx"
 
 
+@pytest.mark.parametrize("group,sym,dt", [(64, True, BF), (None, False, F32), (32, False, F16)])
+def test_amx_int8_scaled_decode_is_bit_identical(group, sym, dt):
+    """int8 tables on AMX decode codes to q * 2^-112 against activations times 2^56 when every
+    activation part lies in [2^-63, 2^63], else exactly (native_amx.c): one row out of that
+    range switches the whole call to the exact decode, and the other rows' logits are the
+    same bits either way (and within the reference's bound)."""
+    why = native_head.AMX_LIB.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    qt = _table(8, group, sym, 1000, 128, seed=11)
+    x = torch.randn(17, 128, generator=torch.Generator().manual_seed(3)).to(dt)
+    p = PreparedTable.from_table(qt)
+    got = p.linear(x)
+    assert p.last_kernel == "native_amx"
+    _check_linear(p, qt, x, _wabs(qt))
+    for odd in (1e-30, 1e30) if dt != F16 else ():  # below 2^-63 / above 2^63 (float16 never is)
+        extra = torch.zeros(1, 128, dtype=dt)
+        extra[0, 5] = odd
+        both = p.linear(torch.cat([x, extra]))
+        assert p.last_kernel == "native_amx"
+        assert torch.equal(both[:17], got)
+
+
 @pytest.mark.parametrize("bits,sym", [(8, True), (4, False)])
 def test_columns_not_a_whole_amx_tile(bits, sym, monkeypatch):
     """80 columns (no whole number of 32-column AMX tiles): the next row serves, exactly."""
