@@ -240,19 +240,11 @@ static inline __attribute__((always_inline)) void dots_2x2(const job_t* j, const
    groups' dots for two A tiles at a time (2 x 2 C tiles: each tile load serves two dots),
    every C tile stored, and each row's sums of the pair ([MP][32]) read once, scaled with
    the GP groups in order (the operations and order of sweep_jit's scaling, so the bits
-   too) and stored once. Interleaved C A/B, Gemma-size head, Xeon with AMX, outputs
-   identical: against sweeps of one A tile x both blocks over a decoded pair (40 KiB of B
-   tiles: L2, re-read by every sweep) int8 g64 M = 17-256 0.85-0.98, Q4 g64 0.78-0.97, g128
-   0.88-0.99 (seventeenth session, one A tile a sweep); two A tiles instead of one: Q4 g64
-   M = 64 0.91, int8 g64 M = 64 / 256 0.95-0.97 / 0.95; two groups a sweep (a row's sums
-   stored once per two groups, the stores being what bounds a C tile's scaling): groups of
-   32 M = 17-128 0.91-0.97 and M = 160-512 0.88-0.92 against one group, which itself beat
-   the one-block sweeps these replaced (0.86-0.92 up to M = 128, 1.01-1.11 above); groups
-   of 64 M = 64 1.04-1.05 (kept at one), M = 128 / 256 0.96 / 0.87-0.89; g128 0.97-1.03.
-   Not kept: four blocks a sweep for groups of 32 (each A tile loaded once for both pairs:
-   0.92-1.00; with two groups a sweep 1.05-1.13, its ring, C tiles and sums past L1),
-   four groups a sweep (1.03-1.04), decoding the next pair's first group during the last
-   group (0.96-1.09). */
+   too) and stored once: a C tile's scaling is bound by its stores, two groups share one
+   store of the sums. Groups of 32 (one k-step, so one dot per tile store) store one tile
+   pair behind the other pair's dots: tiles are not renamed, so a dot into a C tile waits
+   for that tile's store. Measured (C A/B, tries not kept): docs/performance.md, "AMX: two
+   activation tiles and two groups per sweep" and "AMX: int8 codes as q·2^-112". */
 static inline __attribute__((always_inline)) void pair_groups(const job_t* j, int64_t nb, int two, int32_t* ring,
                                                           float* cbuf, float* accp, __m512i tbl, const int ZP, const int GP,
                                                           const int S8) {
@@ -270,6 +262,27 @@ static inline __attribute__((always_inline)) void pair_groups(const job_t* j, in
         for (int gg = 0; gg < ng; gg++) group_consts(j, nb, g0 + gg, two, ZP, &s0[gg], &s1[gg], &z0[gg], &z1[gg]);
         for (int64_t m0 = 0; m0 < MP; m0 += 32) {
             const int twoa = m0 + 16 < MP;
+            if (KS == 1 && twoa && two) {  /* group gg: C 0-1's dots, gg - 1's C 2-3 stored, C 2-3's dots, C 0-1 stored */
+                for (int gg = 0; gg < ng; gg++) {
+                    const uint16_t* x = j->xa + m0 * K + (g0 + gg) * 512;
+                    float* cb = cbuf + gg * 1024;
+                    _tile_zero(0); _tile_zero(1);
+                    _tile_loadd(6, rg + gg * 512, 64); _tile_loadd(7, rg + gg * 512 + 256, 64);
+                    for (int pt = 0; pt < j->parts; pt++) {
+                        _tile_loadd(4, x + pt * MP * K, 64);
+                        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (gg) { _tile_stored(2, cb - 512, 64); _tile_stored(3, cb - 256, 64); }
+                    _tile_zero(2); _tile_zero(3);
+                    for (int pt = 0; pt < j->parts; pt++) {
+                        _tile_loadd(5, x + pt * MP * K + 16 * K, 64);
+                        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
+                    if (m0 == 0 && gg < nq) GDEC(sl ^ 1, gg, g0 + GP + gg)
+                }
+                _tile_stored(2, cbuf + ng * 1024 - 512, 64); _tile_stored(3, cbuf + ng * 1024 - 256, 64);
+            } else
             for (int gg = 0; gg < ng; gg++) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t kk = 0; kk < KS; kk++) {
@@ -358,17 +371,13 @@ static void* run(void* arg) {
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    /* M <= 8: the C and A tiles 8 rows, half the tile work (B tiles stay 16 rows of pairs;
-       C A/B, Gemma-size head, M = 3-8: 0.96-0.99x) */
+    /* M <= 8: C and A tiles of 8 rows, half the tile work (M = 3-8: 0.96-0.99x) */
     const int tr = j->M <= 8 ? 8 : 16;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = t < 6 ? tr : 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
     __m512i tbl = j->bits == 4 ? dec4_table() : _mm512_setzero_si512();
     const int S8 = j->sc && j->bits == 8;  /* which instances: dec8s or dec8 / dec4 */
-    /* two block pairs decoded ([2][2][K/2][16] bf16 pairs): the next pair is decoded, one
-       k-step at a time, between the tile instructions of this one, so the vector decode and
-       its memory reads overlap the AMX unit (decoding first, then the tiles: Gemma head int8
-       g64 M = 8 15.4 -> 11.6 ms, M = 64 29 -> 21 ms; Q4 g32 M = 8 11.1 -> 8.1 ms) */
+    /* the memory loop's two decoded block pairs ([2][2][K/2][16] bf16 pairs, see rows_loop) */
     const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
     /* M <= 16: the 4 KiB ring of sweep_jit; else pair_groups' ring or the memory loop's two decoded pairs */
     int32_t* wbuf = aligned_alloc(64, j->MP == 16 ? 4096 : 2 * PB * 4);
@@ -387,13 +396,9 @@ static void* run(void* arg) {
             for (; a < e; a = (volatile char*)(((uintptr_t)a + 4096) & ~(uintptr_t)4095)) *a = 0;
         }
     }
-    /* M <= 16 (one sweep per block pair): each k-step's B tiles are decoded into a ring in L1
-       one step ahead of their loads, and the next pair's codes prefetched, in place of the
-       whole next pair decoded into a double buffer (80 KiB for Gemma: L2) - interleaved C A/B,
-       Gemma-size head, Xeon with AMX, outputs identical: Q4 g32 M = 2-16 0.78-0.86 (the
-       ring) x 0.87-0.89 (the prefetch), int8 g64 and per row M = 1-16 0.92-0.97 x 0.73-0.79.
-       Tried for M > 16 (the first sweep decoding just in time into one pair buffer, the codes
-       of the pair after next prefetched): 0.98-1.02 and 1.04-2.0, not kept. */
+    /* M <= 16: one sweep per block pair, each k-step's B tiles decoded into a ring in L1 one
+       step ahead of their loads, the next pair's codes prefetched (a whole decoded pair, 80 KiB
+       for Gemma, sat in L2: Q4 g32 M = 2-16 0.78-0.86 x 0.87-0.89 with the ring and prefetch) */
     if (j->MP == 16) {
         const sweep_fn sweep = SWEEPS[S8 * 4 + (j->M > 8) * 2 + !!j->z];
         for (int64_t nb = j->nb0; nb < j->nb1; nb += 2)
@@ -458,14 +463,11 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
         }
     }
     if (xs) eq_group_sums(x, xkind, M, K, g, xs); /* asymmetric rows: z * sum(x) per group */
-    /* int8 tables: B tiles of q * 2^-112 (dec8s, a fifth fewer decode uops) against parts
-       times 2^56, the scales times 2^56 and z * sum(x) times 2^-56. Every power of two here
-       is exact, so the bits are dec8's wherever every nonzero finite part lies in
-       [2^-63, 2^63]: each part then stays normal scaled, and every product, partial sum
-       and C - z * sum(x) is 0 or a multiple of 2^-70 (bf16 parts >= 2^-63), i.e. >= 2^-126
-       scaled, where AMX would flush to zero. Outside that range: dec8, unscaled. C A/B,
-       Gemma-size int8 table, Xeon with AMX: g64 M = 8 / 16 / 64 / 256 0.81 / 0.91 / 0.90 /
-       0.94-1.02, per row M = 16 / 64 / 256 0.84 / 0.95 / 0.95; 4-bit 1.00-1.02 (unchanged). */
+    /* int8 tables: B tiles of q * 2^-112 (dec8s) against parts and scales times 2^56 and z * sum(x)
+       times 2^-56: powers of two, so dec8's bits wherever every nonzero finite part lies in
+       [2^-63, 2^63] - each product, partial sum and C - z * sum(x) is then 0 or a multiple of
+       2^-70 (>= 2^-126 scaled: nothing AMX flushes). Outside: dec8, unscaled. C A/B, Gemma-size
+       int8 table: g64 M = 8 / 16 / 64 0.81 / 0.91 / 0.90, per row M = 16 / 64 0.84 / 0.95. */
     int sc = 0;
 #ifdef __AVX512FP16__
     sc = bits == 8 && lo >= 0x1p-63f && hi <= 0x1p63f;
@@ -480,11 +482,9 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (nthreads < 1) nthreads = 1;
     if (nthreads > NB) nthreads = (int)NB;
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
-    /* Outputs past L2 size are written with streaming stores, one whole line (two blocks) at a
-       time: each block writes 32 bytes into M rows 2*V bytes apart, rows that alias in the
-       cache sets (Gemma head M = 256, output reused: 72.7 -> 48.3 ms). Smaller outputs stay in
-       cache for what reads them next (softmax, sampling). From 8 MiB on: Gemma head M = 16
-       (8 MiB) int8 11.1 -> 9.8 ms, Q4 g32 9.3-9.6 -> 8.6-8.8; from 2 MiB (M = 8, 12) within 4 %. */
+    /* Outputs from 8 MiB are written by streaming stores, a whole line (two blocks) at a time:
+       each block writes 32 bytes into M rows 2*V bytes apart, rows that alias in the cache sets
+       (Gemma head M = 256 72.7 -> 48.3 ms); smaller ones stay in cache for softmax / sampling. */
     const int nt = M * V * (xkind == 0 ? 4 : 2) >= (8 << 20);
     job_t jobs[EQ_MAX_THREADS];
     for (int t = 0; t < nthreads; t++) {
