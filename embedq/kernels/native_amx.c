@@ -376,7 +376,7 @@ static void* run(void* arg) {
     for (int t = 0; t < 8; t++) { cfg.rows[t] = t < 6 ? tr : 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
     __m512i tbl = j->bits == 4 ? dec4_table() : _mm512_setzero_si512();
-    const int S8 = j->sc && j->bits == 8;  /* which instances: dec8s or dec8 / dec4 */
+    const int S8 = j->sc;  /* which instances: dec8s (sc: int8 tables only) or dec8 / dec4 */
     /* the memory loop's two decoded block pairs ([2][2][K/2][16] bf16 pairs, see rows_loop) */
     const int64_t PB = 2 * KP * 16; /* one decoded pair (int32 units) */
     /* M <= 16: the 4 KiB ring of sweep_jit; else pair_groups' ring or the memory loop's two decoded pairs */
@@ -423,7 +423,7 @@ static void* run(void* arg) {
         free(accp);
         goto done;
     }
-    (j->sc && j->bits == 8 ? rows_loop_1 : rows_loop_0)(j, wbuf, cbuf, acc, tbl);
+    (S8 ? rows_loop_1 : rows_loop_0)(j, wbuf, cbuf, acc, tbl);
 done:
     _mm_sfence();
     free(wbuf); free(acc); free(cbuf);
@@ -449,17 +449,17 @@ int head_amx(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     float* xs = z ? calloc(MP * G, sizeof(float)) : NULL;  /* zero padding rows (sweep_jit, pair_groups) */
     if (!xa || (z && !xs)) { free(xa); free(xs); return -1; }
     memset(xa, 0, parts * MP * K * 2);
-    float lo = INFINITY, hi = 0.f;  /* the smallest and largest nonzero finite part */
+    float lo = INFINITY, hi = 0.f;  /* int8 tables: the smallest and largest nonzero finite part */
     for (int64_t m = 0; m < M; m++) for (int64_t k = 0; k < K; k++) {
         float r = eq_x_at(x, xkind, m * K + k);
         const int fin = isfinite(r);
         const int64_t at = (m >> 4) * 16 * K + (k >> 5) * 512 + (m & 15) * 32 + (k & 31);
         for (int pt = 0; pt < parts; pt++) {
             const uint16_t h = f32_to_bf16(r);
+            const float hf = bf16_to_f32(h), a = fabsf(hf);
             xa[pt * MP * K + at] = h;
-            const float a = fabsf(bf16_to_f32(h));
-            if (fin && a != 0.f) { lo = a < lo ? a : lo; hi = a > hi ? a : hi; }
-            r = fin ? r - bf16_to_f32(h) : 0.f;
+            if (bits == 8 && fin && a != 0.f) { lo = a < lo ? a : lo; hi = a > hi ? a : hi; }
+            r = fin ? r - hf : 0.f;
         }
     }
     if (xs) eq_group_sums(x, xkind, M, K, g, xs); /* asymmetric rows: z * sum(x) per group */
