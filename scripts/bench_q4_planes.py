@@ -78,7 +78,7 @@ def main() -> None:
         raise SystemExit(new.unavailable() or old.unavailable())
     x, src = activations()
     xf = x.float().contiguous()
-    planes = [new.get().head_f32_q4_planes(xf[i].data_ptr(), COLS, GROUP) for i in range(x.shape[0])]
+    planes = [new.get().head_f32_planes(xf[i].data_ptr(), COLS, GROUP, 4) for i in range(x.shape[0])]
     print(f"{cpu_model()}; {names[0]} vs {names[1]}; table {a.rows} x {COLS} Q4 g{GROUP}; activations: {src}")
     print(f"planes per token ({COLS // GROUP} groups): {planes}")
 

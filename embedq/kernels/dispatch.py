@@ -115,8 +115,11 @@ ROUTES: tuple[Route, ...] = (
     # 4-bit at M = 1 with AVX512-VNNI: the planes' vpmaddwd + vpaddd as one vpdpwssd (integer
     # sums: bit-identical to the row below; Xeon with AMX, synthetic Gemma head Q4 g32, warm,
     # 2 threads: 2.73 vs 3.03 ms)
-    Route(Native, "cpu", (4,), "any", (BF16, F16, F32), 1, "native_avx512vnni", Native.head_f32(_VNNI512),
-          "the AVX-512F kernel built with AVX512-VNNI for 4-bit at M = 1 (its integer planes in vpdpwssd)",
+    # int8 at M = 1 takes the same planes (eq_i8planes.h, twentieth session): Xeon with AMX,
+    # synthetic Gemma head, table in L3: 0.72 of the float decode, 0.89 of vpmaddwd + vpaddd;
+    # from memory all equal (the stream is the bound there)
+    Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), 1, "native_avx512vnni", Native.head_f32(_VNNI512),
+          "the AVX-512F kernel built with AVX512-VNNI for M = 1 (its integer planes in vpdpwssd)",
           _VNNI512, "avx512vnni"),
     _small_m((4,), 1),
     _small_m((8,), 2),
@@ -142,7 +145,7 @@ ROUTES: tuple[Route, ...] = (
           "embedq's C kernel (AVX-512F): the AVX2 kernel 16 wide (zmm FMA), bit-identical to it",
           _F32["avx512f"], "avx512f"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2vnni", Native.head_f32(_F32["avx2vnni"]),
-          "the AVX2 kernel built with AVX-VNNI (4-bit at M = 1: its integer planes in vpdpwssd), bit-identical to it",
+          "the AVX2 kernel built with AVX-VNNI (M = 1: its integer planes in vpdpwssd), bit-identical to it",
           _F32["avx2vnni"], "avx2vnni"),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx2", Native.head_f32(_F32["avx2"]),
           "embedq's C kernel (x86-64-v3): weights -> reference float32 once per call, FMA", _F32["avx2"], "avx2"),

@@ -28,67 +28,86 @@ typedef struct q4planes {
     int16_t* x;    /* [plane][PG / 2][16]: per two column pairs, (m'_2p, m'_2p+1) x 4 | (m'_2p+2, m'_2p+3) x 4 */
     int32_t* corr; /* [plane] 8 * sum m' (the offset-binary 8 of u - 8, folded in exactly) */
     float* mul;    /* [plane] 2^B */
-    int* off;      /* [G + 1]: group gi's planes are off[gi] .. off[gi + 1] - 1 */
+    int* off;      /* [G + 1]: group gi's planes are off[gi] .. off[gi + 1] - 1 (int8: per chunk) */
+    int64_t chunk; /* int8 (eq_i8planes.h): columns per chunk of planes */
 } q4planes_t;
 
 static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mul); free(P->off); }
 
+/* The planes of c (<= 64) activations, shared by the 4-bit and int8 builders: eqp_scan reads
+   each value as M 2^f (M odd; 0 when a value fits no plane: inf, NaN, > 15 significant bits),
+   eqp_next then yields the planes greedily from the largest value down (0: none left). */
+typedef struct { int32_t mk[64], fk[64], top[64]; unsigned char left[64]; int64_t c; } eqp_scan_t;
+
+static int eqp_scan(const float* x, int64_t c, eqp_scan_t* S) {
+    S->c = c;
+    for (int64_t k = 0; k < c; k++) {
+        uint32_t u;
+        memcpy(&u, x + k, 4);
+        const uint32_t e = (u >> 23) & 255, frac = u & 0x7fffff;
+        S->left[k] = 0;
+        if (e == 255) return 0;                       /* inf, NaN */
+        if (e == 0 && frac == 0) continue;            /* a zero adds nothing */
+        uint32_t m = e ? frac | 0x800000u : frac;     /* |x| = m 2^(max(e, 1) - 150) */
+        const int tz = __builtin_ctz(m);
+        m >>= tz;
+        const int bl = 32 - __builtin_clz(m);
+        if (bl > Q4P_BITS) return 0;                  /* too many significant bits */
+        S->mk[k] = (u >> 31) ? -(int32_t)m : (int32_t)m;
+        S->fk[k] = (int)(e ? e : 1) - 150 + tz;
+        S->top[k] = S->fk[k] + bl;
+        S->left[k] = 1;
+    }
+    return 1;
+}
+
+/* The next plane: v[k] = m'_k (0 for the columns of other planes), *mul = 2^B. */
+static int eqp_next(eqp_scan_t* S, int32_t v[64], float* mul) {
+    int T = INT32_MIN;
+    for (int64_t k = 0; k < S->c; k++) if (S->left[k] && S->top[k] > T) T = S->top[k];
+    if (T == INT32_MIN) return 0;
+    const int B = T - Q4P_BITS < -149 ? -149 : T - Q4P_BITS; /* 2^B stays a float */
+    for (int64_t k = 0; k < S->c; k++) {
+        v[k] = 0;
+        if (!S->left[k] || S->fk[k] < B) continue;
+        v[k] = S->mk[k] * (1 << (S->fk[k] - B));     /* |v| < 2^(T - B) <= 2^15 */
+        S->left[k] = 0;
+    }
+    const uint32_t mb = B >= -126 ? (uint32_t)(B + 127) << 23 : 1u << (B + 149);
+    memcpy(mul, &mb, 4);
+    return 1;
+}
+
 /* 1 when every activation fits a plane (then P is filled), 0 otherwise (P freed). */
 static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
-    const int64_t G = K / g, PG = g / 2, nmax = G * g; /* at most one plane per column */
+    const int64_t G = K / g, nmax = G * g; /* at most one plane per column */
     memset(P, 0, sizeof *P);
     if (g % (EQ_Q4DW ? 8 : 4) || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
     P->x = calloc((size_t)nmax * Q4P_STRIDE(g), sizeof(int16_t));
-    (void)PG;
     P->corr = malloc(sizeof(int32_t) * nmax);
     P->mul = malloc(sizeof(float) * nmax);
     P->off = malloc(sizeof(int) * (G + 1));
-    int32_t mk[64], fk[64], top[64];
-    unsigned char left[64];
+    eqp_scan_t S;
+    int32_t v[64];
     if (!P->x || !P->corr || !P->mul || !P->off) goto fail;
     int np = 0;
     for (int64_t gi = 0; gi < G; gi++) {
         P->off[gi] = np;
-        for (int64_t k = 0; k < g; k++) {
-            uint32_t u;
-            memcpy(&u, x + gi * g + k, 4);
-            const uint32_t e = (u >> 23) & 255, frac = u & 0x7fffff;
-            left[k] = 0;
-            if (e == 255) goto fail;                      /* inf, NaN */
-            if (e == 0 && frac == 0) continue;            /* a zero adds nothing */
-            uint32_t m = e ? frac | 0x800000u : frac;     /* |x| = m 2^(max(e, 1) - 150) */
-            const int tz = __builtin_ctz(m);
-            m >>= tz;
-            const int bl = 32 - __builtin_clz(m);
-            if (bl > Q4P_BITS) goto fail;                 /* too many significant bits */
-            mk[k] = (u >> 31) ? -(int32_t)m : (int32_t)m;
-            fk[k] = (int)(e ? e : 1) - 150 + tz;
-            top[k] = fk[k] + bl;
-            left[k] = 1;
-        }
-        for (;;) {
-            int T = INT32_MIN;
-            for (int64_t k = 0; k < g; k++) if (left[k] && top[k] > T) T = top[k];
-            if (T == INT32_MIN) break;
-            const int B = T - Q4P_BITS < -149 ? -149 : T - Q4P_BITS; /* 2^B stays a float */
+        if (!eqp_scan(x + gi * g, g, &S)) goto fail;
+        while (eqp_next(&S, v, &P->mul[np])) {
             int16_t* xp = P->x + (int64_t)np * Q4P_STRIDE(g);
             int32_t sum = 0;
             for (int64_t k = 0; k < g; k++) {
-                if (!left[k] || fk[k] < B) continue;
-                const int32_t v = mk[k] * (1 << (fk[k] - B));  /* |v| < 2^(T - B) <= 2^15 */
                 if (EQ_Q4DW) {
                     const int64_t ch = k / 8, q = k % 4, half = k % 8 / 4;
-                    xp[(ch * 4 + q) * 2 + half] = (int16_t)v;
+                    xp[(ch * 4 + q) * 2 + half] = (int16_t)v[k];
                 } else {
                     const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
-                    for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v;
+                    for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v[k];
                 }
-                sum += v;
-                left[k] = 0;
+                sum += v[k];
             }
             P->corr[np] = 8 * sum;
-            uint32_t mb = B >= -126 ? (uint32_t)(B + 127) << 23 : 1u << (B + 149);
-            memcpy(&P->mul[np], &mb, 4);
             np++;
         }
     }

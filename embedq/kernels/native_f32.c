@@ -1,7 +1,7 @@
 /* embedq's fp32-FMA head kernel over the native blocked layout (see native_head.py).
 
    One source, several builds (native_f32.py; built with -mavxvnni or -mavx512vnni too, the
-   4-bit M == 1 planes sum in vpdpwssd, and with -mavx512vnni int8 activations in vpdpbusd):
+   M == 1 planes sum in vpdpwssd, and with -mavx512vnni int8 activations in vpdpbusd):
      avx512f   -O3 -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c  (Skylake-SP .. Ice
                Lake, Zen 4/5: the AVX2 code with a 16-wide micro-kernel, #if EQ_AVX512)
      avx2      -O3 -mavx2 -mfma -mf16c  (x86-64-v3: the same code on every such CPU)
@@ -26,7 +26,7 @@
 
    M <= 4 (4-bit) / 8 (int8) (AVX2): decoded in registers, scale after each group's dot (direct8/direct4), two
    rows at a time (M > 2 in passes over L2-sized chunks of blocks: run_direct);
-   4-bit at M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h).
+   M == 1: integer dot products over exact int16 activation planes (eq_q4planes.h, eq_i8planes.h).
    Larger M: a super-block of SB x 16 rows x KC columns is decoded once into a float32 scratch
    (4 x 16 x 64 x 4 B = 16 KiB: stays in L1 between the decode and the tiles that read it; KC
    = 256 (64 KiB, L2) took 1.02-1.11x the time of KC = 64 for the AVX2 build and 1.08-1.22x
@@ -64,6 +64,12 @@
 #else
 #define EQ_Q4PLANES 0
 #endif
+/* -DEQ_NO_I8PLANES: int8 M == 1 on the float path (A/B) */
+#if EQ_Q4PLANES && !defined(EQ_NO_I8PLANES)
+#define I8PLANES i8planes_build
+#else
+#define I8PLANES(x, K, g, P) 0
+#endif
 #if EQ_AVX2 && defined(EQ_SIMDE)  /* tests only: AVX-512 intrinsics emulated on AVX2 */
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -89,7 +95,7 @@ static inline int64_t pass_m(int bits) { return bits == 8 ? 8 : 4; }
 typedef struct {
     const uint8_t* w; const void* s; const int8_t* z; const float* x; const float* xs;
     void* out; int64_t ldo, M, K, G, g, V, nb0, nb1; int bits, skind, okind;
-    const struct q4planes* planes; /* M == 1, 4-bit: integer planes (eq_q4planes.h) or NULL */
+    const struct q4planes* planes; /* M == 1: integer planes (eq_q4planes.h, eq_i8planes.h) or NULL */
 } job_t;
 
 static inline float scale_at(const void* s, int kind, int64_t i) {
@@ -256,12 +262,14 @@ static void store_row(const float* a, void* out, int okind, int64_t i, int nr) {
 #if EQ_AVX2
 #include "eq_f32direct.h"
 #include "eq_q4planes.h"
+#include "eq_i8planes.h"
 
 /* Blocks [b0, b1) for the (one or two) rows of j (the caller's slice of x, xs and out). */
 static void direct_blocks(const job_t* j, int64_t b0, int64_t b1) {
     float o[DIRECT_M * RB];
     for (int64_t nb = b0; nb < b1; nb++) {
-        if (j->planes) direct4i(j, j->planes, nb, j->xs, o);
+        if (j->planes && j->bits == 8) direct8i(j, j->planes, nb, j->xs, o);
+        else if (j->planes) direct4i(j, j->planes, nb, j->xs, o);
         else if (j->bits == 8) { if (j->M == 1) direct8(1, j, nb, j->xs, o); else direct8(2, j, nb, j->xs, o); }
         else { if (j->M == 1) direct4(1, j, nb, j->xs, o); else direct4(2, j, nb, j->xs, o); }
         const int64_t r0 = nb * RB;
@@ -344,7 +352,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     }
 #if EQ_Q4PLANES
     q4planes_t P;
-    const q4planes_t* planes = M == 1 && bits == 4 && q4planes_build(x, K, g, &P) ? &P : NULL;
+    const q4planes_t* planes = M == 1 && (bits == 4 ? q4planes_build(x, K, g, &P) : I8PLANES(x, K, g, &P)) ? &P : NULL;
 #else
     const struct q4planes* planes = NULL;
 #endif
@@ -363,17 +371,17 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     return rc;
 }
 
-/* Activation planes of a 4-bit M == 1 call (tests, benchmarks): their number, or 0 when the
-   call takes the float path (eq_q4planes.h). */
-int head_f32_q4_planes(const float* x, int64_t K, int64_t g) {
+/* Activation planes of an M == 1 call (tests, benchmarks): their number, or 0 when the call
+   takes the float path (eq_q4planes.h, eq_i8planes.h). */
+int head_f32_planes(const float* x, int64_t K, int64_t g, int bits) {
 #if EQ_Q4PLANES
     q4planes_t P;
-    if (!q4planes_build(x, K, g, &P)) return 0;
-    const int n = P.off[K / g];
+    if (!(bits == 4 ? q4planes_build(x, K, g, &P) : I8PLANES(x, K, g, &P))) return 0;
+    const int n = P.off[bits == 4 ? K / g : K / P.chunk];
     q4planes_free(&P);
     return n;
 #else
-    (void)x; (void)K; (void)g;
+    (void)x; (void)K; (void)g; (void)bits;
     return 0;
 #endif
 }

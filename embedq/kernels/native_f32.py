@@ -13,7 +13,7 @@ Builds of one source (:data:`VARIANTS`):
   -mavx512vl`` plus AVX2's flags (Skylake-SP … Ice Lake Xeons, Zen 4/5): bit-identical
   results to the AVX2 build (the same float32 operations per lane);
 * ``avx2vnni``: the AVX2 build plus ``-mavxvnni`` (Alder Lake and later, Sierra Forest, Zen 5):
-  4-bit M = 1 sums in ``vpdpwssd``, bit-identical;
+  the M = 1 plane sums in ``vpdpwssd``, bit-identical;
 * ``avx2``:     ``-mavx2 -mfma -mf16c`` (x86-64-v3), explicit flags rather than
   ``-march=native`` so every such CPU runs the same, tested code;
 * ``portable``: plain ``-O3`` C that the compiler vectorizes (SSE2 on x86-64, NEON on
@@ -38,8 +38,8 @@ def _setup(lib) -> None:
     P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.head_f32.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, Fi, I, Fi]
     lib.head_f32.restype = Fi
-    lib.head_f32_q4_planes.argtypes = [P, I, I]
-    lib.head_f32_q4_planes.restype = Fi
+    lib.head_f32_planes.argtypes = [P, I, I, Fi]
+    lib.head_f32_planes.restype = Fi
     lib.head_q4a8.argtypes = [P, P, Fi, P, I, I, I, P, I, P, Fi, I, Fi]
     lib.head_q4a8.restype = Fi
 
@@ -54,7 +54,7 @@ VARIANTS: dict[str, LazyLibrary] = {
                            needs=("avx512f", "avx2", "fma", "f16c"), machines=("x86_64", "amd64"),
                            setup=_setup, label="native head (AVX-512F)", openmp=True),
     # the AVX2 code with AVX-VNNI (Alder Lake and later cores, Sierra Forest, Zen 5): only the
-    # 4-bit M = 1 planes change (vpdpwssd for vpmaddwd + vpaddd; integer sums, bit-identical)
+    # M = 1 planes change (vpdpwssd for vpmaddwd + vpaddd; integer sums, bit-identical)
     "avx2vnni": LazyLibrary("head_avx2vnni", _source, [*_COMMON, *AVX2_FLAGS, "-mavxvnni"],
                             needs=("avx2", "fma", "f16c", "avx_vnni"), machines=("x86_64", "amd64"), setup=_setup,
                             label="native head (AVX2 + AVX-VNNI)", openmp=True),

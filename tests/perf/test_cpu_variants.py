@@ -321,7 +321,7 @@ def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
             ("bf16 held as f32", torch.randn(1, 192, generator=gen).to(BF).to(F32))]
     for name, x in rows:
         xf = x.float().contiguous()
-        planes = lib.head_f32_q4_planes(xf.data_ptr(), 192, group)
+        planes = lib.head_f32_planes(xf.data_ptr(), 192, group, 4)
         assert planes >= 192 // group, (name, planes)
         if name.startswith("wide"):
             assert planes > 3 * 192 // group, (name, planes)  # many planes per group
@@ -330,11 +330,62 @@ def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
         args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
         assert torch.equal(native_f32.head(row.lib, *args), native_f32.head(native_f32.VARIANTS["avx2"], *args)), name
     xf = torch.randn(1, 192, generator=gen)
-    assert lib.head_f32_q4_planes(xf.data_ptr(), 192, group) == 0  # 24-bit values: float path
+    assert lib.head_f32_planes(xf.data_ptr(), 192, group, 4) == 0  # 24-bit values: float path
     _check_linear(p, qt, xf, wabs)
     inf = xf.to(BF).float().clone()
     inf[0, 5] = float("inf")
-    assert lib.head_f32_q4_planes(inf.data_ptr(), 192, group) == 0
+    assert lib.head_f32_planes(inf.data_ptr(), 192, group, 4) == 0
+
+
+# --- int8 at M == 1: the same planes (eq_i8planes.h), chunks of <= 64 columns ------------------
+def _f32_builds():
+    from embedq.kernels import native_f32
+    return {**native_f32.VARIANTS, **native_f32.A8_VARIANTS}
+
+
+@pytest.mark.parametrize("build", ["avx2", "avx2vnni", "avx512f", "avx512vnni"])
+@pytest.mark.parametrize("group,sym,cols", [(None, True, 192), (None, False, 200), (32, False, 96), (64, True, 192),
+                                            (128, False, 384)])
+def test_i8_one_row_integer_planes(build, group, sym, cols, monkeypatch):
+    """eq_i8planes.h: one activation row's chunks (<= 64 columns, dividing the group; per-row
+    tables too) split into exact int16 planes; int8 codes widened to int16 meet them in
+    vpmaddwd / vpdpwssd. Every build gives the AVX2 build's bits, the reference's values at the
+    derived bound however many planes the exponents need; a float32 row with more than 15
+    significant bits, or an inf, takes the float path (0 planes) and still meets the bound."""
+    from embedq.kernels import native_f32
+    lib = _f32_builds()[build]
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", ",".join(lib.needs))
+    why = lib.unavailable() or dispatch.isa_unavailable("avx2")
+    if why:
+        pytest.skip(why)
+    so, avx2 = lib.get(), native_f32.VARIANTS["avx2"]
+    qt = _table(8, group, sym, 777, cols, BF)
+    p = PreparedTable.from_table(qt)
+    L, sp = p.layout, p.layout.spec
+    wabs = _wabs(qt)
+    gen = torch.Generator().manual_seed(cols)
+    chunks = cols // next(c for c in (64, 32, 16, 8, 4, 2) if sp.group % c == 0)
+    xs = [("randn bf16", torch.randn(1, cols, generator=gen).to(BF)),
+          ("randn f16", torch.randn(1, cols, generator=gen).to(F16)),
+          ("wide bf16", _wide(cols, 1)), ("wide bf16 2", _wide(cols, 2)),
+          ("bf16 held as f32", torch.randn(1, cols, generator=gen).to(BF).to(F32))]
+    full = torch.randn(1, cols, generator=gen)
+    inf = full.to(BF).float().clone()
+    inf[0, 5] = float("inf")
+    for name, x in xs + [("24-bit f32", full), ("inf", inf)]:
+        xf = x.float().contiguous()
+        planes = so.head_f32_planes(xf.data_ptr(), cols, sp.group, 8)
+        if name in ("24-bit f32", "inf"):
+            assert planes == 0, (name, planes)
+        else:
+            assert planes >= chunks, (name, planes)
+            if name.startswith("wide"):
+                assert planes > 3 * chunks, (name, planes)  # many planes per chunk
+        args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+        got = native_f32.head(lib, *args)
+        torch.testing.assert_close(got, native_f32.head(avx2, *args), rtol=0, atol=0, equal_nan=True, msg=name)
+        if name != "inf":
+            _check_linear_result(qt, x, got)
 
 
 @pytest.mark.parametrize("avx512", [False, True], ids=["avx2vnni", "avx512vnni"])

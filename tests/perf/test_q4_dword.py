@@ -81,7 +81,7 @@ def test_dword_large_batch_and_float32_fallback(isa, monkeypatch):
     x256 = torch.randn(256, 320, generator=gen)
     x1 = torch.randn(1, 320, generator=gen) * (1 + 2.0 ** -20)  # > 15 significant bits
     lib = ROWS[isa].lib.get()
-    assert lib.head_f32_q4_planes(x1.data_ptr(), 320, 64) == 0
+    assert lib.head_f32_planes(x1.data_ptr(), 320, 64, 4) == 0
     for x in (x256, x256.to(BF), x1):
         _check_linear(p, qt, x, _wabs(qt))
         assert p.last_kernel == ROWS[isa].kernel
