@@ -135,6 +135,9 @@ ROUTES: tuple[Route, ...] = (
     # float32 tiles than on vdpbf16ps (Xeon emulating the AVX512-BF16 family, Gemma head:
     # int8 g64 M = 64 91.9 vs 112.0 ms, M = 256 347 vs 446; Q4 g32 90 vs 111, 340 vs 453;
     # M = 32 equal, M = 16 29-32 vs 30-33; AMD EPYC, fifth session, M = 256: 270 vs 277).
+    # On an Emerald Rapids (AMX taken away) the switch would be M = 16 (Q4 g32 M = 8 / 16 / 32
+    # 31.7 / 59.4 / 80.3 ms vs 38.0 / 47.5 / 61.9): there one zmm vdpbf16ps costs four FMAs'
+    # time (scripts/vec_rates.c), on Zen 4 two. The row order follows Zen 4 (the family's CPUs).
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_avx512f", _AVX512F_HEAD,
           "the AVX-512F kernel for bf16 activations at large M (its 6 x 64 float32 tiles beat vdpbf16ps there)",
           _F32["avx512f"], "avx512f", m_min=64),
