@@ -23,33 +23,14 @@ static inline int64_t i8_chunk(int64_t g) {
     return c;
 }
 
-/* 1 when every activation fits a plane (then P is filled: x [plane][c] int16, so pair p of a
-   plane is the dword (m'_2p, m'_2p+1); off [chunk]; corr unused), 0 otherwise (P freed). */
+/* One int8 plane: [c] int16, so pair p is the dword (m'_2p, m'_2p+1). */
+static void i8_lay(int16_t* xp, const int32_t* v, int64_t c) {
+    for (int64_t k = 0; k < c; k++) xp[k] = (int16_t)v[k];
+}
+
+/* 1 when every activation fits a plane (then P is filled; corr unused), 0 otherwise. */
 static int i8planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
-    const int64_t c = i8_chunk(g), NC = K / c;
-    memset(P, 0, sizeof *P);
-    P->chunk = c;
-    P->x = malloc(sizeof(int16_t) * K * c);  /* at most one plane per column, c values each */
-    P->mul = malloc(sizeof(float) * K);
-    P->off = malloc(sizeof(int) * (NC + 1));
-    eqp_scan_t S;
-    int32_t v[64];
-    if (!P->x || !P->mul || !P->off) goto fail;
-    int np = 0;
-    for (int64_t ci = 0; ci < NC; ci++) {
-        P->off[ci] = np;
-        if (!eqp_scan(x + ci * c, c, &S)) goto fail;
-        while (eqp_next(&S, v, &P->mul[np])) {
-            for (int64_t k = 0; k < c; k++) P->x[(int64_t)np * c + k] = (int16_t)v[k];
-            np++;
-        }
-    }
-    P->off[NC] = np;
-    return 1;
-fail:
-    q4planes_free(P);
-    memset(P, 0, sizeof *P);
-    return 0;
+    return planes_build(x, K, i8_chunk(g), i8_chunk(g), i8_lay, P);
 }
 
 /* One or two planes (X1 NULL: one) over CP column pairs of a block's codes b0 ([CP][16][2]):

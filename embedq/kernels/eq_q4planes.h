@@ -28,8 +28,8 @@ typedef struct q4planes {
     int16_t* x;    /* [plane][PG / 2][16]: per two column pairs, (m'_2p, m'_2p+1) x 4 | (m'_2p+2, m'_2p+3) x 4 */
     int32_t* corr; /* [plane] 8 * sum m' (the offset-binary 8 of u - 8, folded in exactly) */
     float* mul;    /* [plane] 2^B */
-    int* off;      /* [G + 1]: group gi's planes are off[gi] .. off[gi + 1] - 1 (int8: per chunk) */
-    int64_t chunk; /* int8 (eq_i8planes.h): columns per chunk of planes */
+    int* off;      /* [K / chunk + 1]: chunk ci's planes are off[ci] .. off[ci + 1] - 1 */
+    int64_t chunk; /* columns per chunk of planes (4-bit: the group; int8: eq_i8planes.h) */
 } q4planes_t;
 
 static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mul); free(P->off); }
@@ -78,45 +78,58 @@ static int eqp_next(eqp_scan_t* S, int32_t v[64], float* mul) {
     return 1;
 }
 
-/* 1 when every activation fits a plane (then P is filled), 0 otherwise (P freed). */
-static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
-    const int64_t G = K / g, nmax = G * g; /* at most one plane per column */
+/* The planes of x[0 .. K) in chunks of c columns: chunk ci's planes are P->off[ci] ..
+   P->off[ci + 1] - 1, each laid out by lay() in `stride` int16 (corr = 8 * sum m', the 4-bit
+   offset's term). 1 when every activation fits a plane, 0 otherwise (P freed). */
+static int planes_build(const float* x, int64_t K, int64_t c, int64_t stride,
+                        void (*lay)(int16_t* xp, const int32_t* v, int64_t c), q4planes_t* P) {
+    const int64_t NC = K / c;  /* at most one plane per column */
     memset(P, 0, sizeof *P);
-    if (g % (EQ_Q4DW ? 8 : 4) || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
-    P->x = calloc((size_t)nmax * Q4P_STRIDE(g), sizeof(int16_t));
-    P->corr = malloc(sizeof(int32_t) * nmax);
-    P->mul = malloc(sizeof(float) * nmax);
-    P->off = malloc(sizeof(int) * (G + 1));
+    P->chunk = c;
+    P->x = calloc((size_t)K * stride, sizeof(int16_t));
+    P->corr = malloc(sizeof(int32_t) * K);
+    P->mul = malloc(sizeof(float) * K);
+    P->off = malloc(sizeof(int) * (NC + 1));
     eqp_scan_t S;
     int32_t v[64];
     if (!P->x || !P->corr || !P->mul || !P->off) goto fail;
     int np = 0;
-    for (int64_t gi = 0; gi < G; gi++) {
-        P->off[gi] = np;
-        if (!eqp_scan(x + gi * g, g, &S)) goto fail;
+    for (int64_t ci = 0; ci < NC; ci++) {
+        P->off[ci] = np;
+        if (!eqp_scan(x + ci * c, c, &S)) goto fail;
         while (eqp_next(&S, v, &P->mul[np])) {
-            int16_t* xp = P->x + (int64_t)np * Q4P_STRIDE(g);
             int32_t sum = 0;
-            for (int64_t k = 0; k < g; k++) {
-                if (EQ_Q4DW) {
-                    const int64_t ch = k / 8, q = k % 4, half = k % 8 / 4;
-                    xp[(ch * 4 + q) * 2 + half] = (int16_t)v[k];
-                } else {
-                    const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
-                    for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v[k];
-                }
-                sum += v[k];
-            }
-            P->corr[np] = 8 * sum;
-            np++;
+            for (int64_t k = 0; k < c; k++) sum += v[k];
+            lay(P->x + (int64_t)np * stride, v, c);
+            P->corr[np++] = 8 * sum;
         }
     }
-    P->off[G] = np;
+    P->off[NC] = np;
     return 1;
 fail:
     q4planes_free(P);
     memset(P, 0, sizeof *P);
     return 0;
+}
+
+/* One 4-bit plane in the layout its dots read (Q4P_STRIDE). */
+static void q4_lay(int16_t* xp, const int32_t* v, int64_t g) {
+    for (int64_t k = 0; k < g; k++) {
+        if (EQ_Q4DW) {
+            const int64_t ch = k / 8, q = k % 4, half = k % 8 / 4;
+            xp[(ch * 4 + q) * 2 + half] = (int16_t)v[k];
+        } else {
+            const int64_t pr = k / 2, it = pr / 2, lane = pr % 2, c = k % 2;
+            for (int r = 0; r < 4; r++) xp[it * 16 + lane * 8 + 2 * r + c] = (int16_t)v[k];
+        }
+    }
+}
+
+/* 1 when every activation fits a plane (then P is filled, one chunk per group), 0 otherwise. */
+static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
+    memset(P, 0, sizeof *P);
+    if (g % (EQ_Q4DW ? 8 : 4) || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
+    return planes_build(x, K, g, Q4P_STRIDE(g), q4_lay, P);
 }
 
 /* acc + (the pair sums of c * x): one vpdpwssd with VNNI (the avx2vnni build: Xeon with AMX,

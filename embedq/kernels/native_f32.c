@@ -377,7 +377,7 @@ int head_f32_planes(const float* x, int64_t K, int64_t g, int bits) {
 #if EQ_Q4PLANES
     q4planes_t P;
     if (!(bits == 4 ? q4planes_build(x, K, g, &P) : I8PLANES(x, K, g, &P))) return 0;
-    const int n = P.off[bits == 4 ? K / g : K / P.chunk];
+    const int n = P.off[K / P.chunk];
     q4planes_free(&P);
     return n;
 #else
