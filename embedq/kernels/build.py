@@ -58,9 +58,28 @@ def cpu_ident() -> str:
     return platform.machine() + platform.processor()
 
 
+# CPU properties that are not /proc/cpuinfo flags but decide a dispatch row: the vendor
+# (instruction rates differ: one zmm vdpbf16ps costs four FMAs' time on an Emerald Rapids,
+# on Zen 4 one; scripts/vec_rates.c). Named like flags, so EMBEDQ_CPU_FEATURES can take
+# them away too (``-vendor_intel``: an Intel CPU served in the order of the other vendors).
+VENDOR_FLAGS = {"GenuineIntel": "vendor_intel", "AuthenticAMD": "vendor_amd"}
+
+
+def _vendor_flag() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return VENDOR_FLAGS.get(line.split(":", 1)[-1].strip())
+    except OSError:
+        pass
+    return None
+
+
 @lru_cache(maxsize=1)
 def _hardware_flags() -> frozenset[str]:
-    return frozenset(cpu_ident().split(":", 1)[-1].split())
+    vendor = _vendor_flag()
+    return frozenset(cpu_ident().split(":", 1)[-1].split()) | ({vendor} if vendor else set())
 
 
 def cpu_flags() -> set[str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from embedq.kernels import actquant, native_f32, native_head
-from embedq.kernels.build import LazyLibrary
+from embedq.kernels.build import LazyLibrary, cpu_flags
 from embedq.kernels.layouts import Chunked, Layout, Native, NativeQ4D, Spec, Triton, chunked
 from embedq.kernels.torch_layouts import Int4Cpu, Int8Group, Int8Row
 
@@ -56,6 +56,7 @@ class Route:
     act: str = "exact"    # "int8": activations quantized (actquant), only under EMBEDQ_ACTIVATIONS=int8
     fits: Callable[[Spec], str | None] | None = None  # why it cannot serve a table (None: it can)
     m_min: int = 1        # smallest M it serves
+    cpu: str = ""         # a CPU property it needs beyond its library's ISA (build.VENDOR_FLAGS)
 
 
 _F32 = native_f32.VARIANTS
@@ -131,16 +132,17 @@ ROUTES: tuple[Route, ...] = (
     _small_m((4, 8), 2, (F16, F32)),
     Route(bits=(4, 8), groups="any", why="embedq's C kernel: codes -> bf16 B tiles once per call, TDPBF16PS (AMX), "
           "scales after each group; float16/float32 activations as 2/3 exact bf16 parts (exact)", **_AMX),
-    # Without AMX, bf16 activations from M = 64 run faster on the AVX-512F kernel's 6 x 64
-    # float32 tiles than on vdpbf16ps (Xeon emulating the AVX512-BF16 family, Gemma head:
-    # int8 g64 M = 64 91.9 vs 112.0 ms, M = 256 347 vs 446; Q4 g32 90 vs 111, 340 vs 453;
-    # M = 32 equal, M = 16 29-32 vs 30-33; AMD EPYC, fifth session, M = 256: 270 vs 277).
-    # On an Emerald Rapids (AMX taken away) the switch would be M = 16 (Q4 g32 M = 8 / 16 / 32
-    # 31.7 / 59.4 / 80.3 ms vs 38.0 / 47.5 / 61.9): there one zmm vdpbf16ps costs four FMAs'
-    # time (scripts/vec_rates.c), on Zen 4 two. The row order follows Zen 4 (the family's CPUs).
+    # Without AMX, on Intel: bf16 activations from M = 16 run faster on the AVX-512F kernel's
+    # 6 x 64 float32 tiles than on vdpbf16ps, which costs four FMAs' time there
+    # (scripts/vec_rates.c; Emerald Rapids with AMX taken away, Q4 g32 M = 8 / 16 / 32
+    # 31.7 / 59.4 / 80.3 ms vs 38.0 / 47.5 / 61.9; int8 g64 M = 64 91.9 vs 112.0 on a
+    # Sapphire Rapids). On Zen 4 one vdpbf16ps costs one FMA's time for twice the
+    # multiply-adds, and vdpbf16ps wins at every M from 3 (AMD EPYC family 25 model 17,
+    # synthetic Gemma head, twenty-first session: M = 16 / 64 / 256 int8 g64 21.9 / 68.8 /
+    # 283.6 ms vs 39.4 / 131.6 / 498.1): the row is Intel's only (Cooper Lake not measured).
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_avx512f", _AVX512F_HEAD,
-          "the AVX-512F kernel for bf16 activations at large M (its 6 x 64 float32 tiles beat vdpbf16ps there)",
-          _F32["avx512f"], "avx512f", m_min=64),
+          "on Intel, the AVX-512F kernel for bf16 activations from M = 16 (vdpbf16ps costs four FMAs' time there)",
+          _F32["avx512f"], "avx512f", m_min=16, cpu="vendor_intel"),
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
           "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
           native_head.LIB, "avx512_bf16"),
@@ -187,6 +189,8 @@ def layout_named(name: str | type[Layout]) -> type[Layout]:
 
 
 def _unavailable(r: Route) -> str | None:
+    if r.cpu and r.cpu not in cpu_flags():
+        return f"CPU is not {r.cpu}"
     return None if r.lib is None else r.lib.unavailable()
 
 
@@ -277,7 +281,7 @@ def table_markdown() -> str:
             "|---|---|---|---|---|---|---|---|"]
     for r in ROUTES:
         acts = "/".join(str(a).replace("torch.", "") for a in r.acts) + (" -> int8" if r.act == "int8" else "")
-        rows.append(f"| {r.layout.name} | {r.device} | {r.isa or '-'} | {'/'.join(map(str, r.bits))} | {r.groups} | {acts} | "
+        rows.append(f"| {r.layout.name} | {r.device} | {r.isa or '-'}{f' ({r.cpu})' if r.cpu else ''} | {'/'.join(map(str, r.bits))} | {r.groups} | {acts} | "
                     f"{_m_range(r)} | {r.why} |")
     return "\n".join(rows)
 

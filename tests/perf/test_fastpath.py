@@ -377,3 +377,28 @@ def test_docs_show_the_dispatch_table():
     from embedq.kernels import dispatch
     doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     assert dispatch.table_markdown() in doc
+
+
+@pytest.mark.parametrize("vendor,want", [("vendor_intel", "native_avx512f"), ("vendor_amd", "native_bf16"), (None, "native_bf16")])
+def test_vendor_row_orders_bf16_kernels(vendor, want, monkeypatch):
+    """The CPU vendor is a property rows can need (build.VENDOR_FLAGS): without AMX, bf16
+    activations at M >= 16 take the AVX-512F kernel on Intel (vdpbf16ps four FMAs' time
+    there) and vdpbf16ps elsewhere (Zen 4: one FMA's time); EMBEDQ_CPU_FEATURES removes the
+    vendor like any feature. Decided on the flags alone: runs on every CPU."""
+    from embedq.kernels import build
+    hw = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} | ({vendor} if vendor else set())
+    monkeypatch.setattr(build, "_hardware_flags", lambda: frozenset(hw))
+    monkeypatch.delenv("EMBEDQ_CPU_FEATURES", raising=False)
+    spec = layouts.Spec(rows=64, cols=64, bits=4, group_size=32, symmetric=True, scale_dtype=BF, dtype=BF,
+                        device=torch.device("cpu"))
+    rows = [r for r in dispatch.ROUTES if r.layout is layouts.Native and dispatch._fits(r, spec)
+            and (not r.cpu or r.cpu in build.cpu_flags()) and (r.lib is None or not r.lib._refused())
+            and r.act == "exact"]
+
+    def pick(m):
+        return next(r.kernel for r in rows if BF in r.acts and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
+    assert pick(16) == want and pick(256) == want
+    assert pick(8) == "native_bf16" and pick(1) == "native_avx512f"
+    if vendor:
+        monkeypatch.setenv("EMBEDQ_CPU_FEATURES", f"-{vendor}")
+        assert dispatch._unavailable(next(r for r in dispatch.ROUTES if r.cpu)) is not None
