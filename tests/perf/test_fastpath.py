@@ -85,12 +85,12 @@ def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: t
 
 
 def _xs(cols: int, seed: int = 1, full: bool = True):
-    """Activations: M in {1, 2, 3, 8, 17, 64, 256} (every tile remainder and small-M switch of
+    """Activations: M in {1, 2, 3, 8, 10, 16, 17, 64, 256} (every tile remainder and small-M switch of
     the native kernels), a 3-D batch and a vector; ``full=False``: M in {1, 3, 64} (torch's
     fallback ops)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = ((1, cols), (3, cols), (8, cols), (17, cols), (64, cols), (2, 5, cols), (cols,), (2, cols),
-              (256, cols))
+              (256, cols), (16, cols))  # 10-16: native_bf16's 16-row tile of groups in registers
     for shape in shapes if full else shapes[:2] + shapes[4:7]:
         x = torch.randn(*shape, generator=gen)
         for dt in (BF, F16, F32):
