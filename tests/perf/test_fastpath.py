@@ -402,3 +402,29 @@ def test_vendor_row_orders_bf16_kernels(vendor, want, monkeypatch):
     if vendor:
         monkeypatch.setenv("EMBEDQ_CPU_FEATURES", f"-{vendor}")
         assert dispatch._unavailable(next(r for r in dispatch.ROUTES if r.cpu)) is not None
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, False), (8, None, True), (8, 32, False)])
+def test_bf16_kernel_staged_block_pairs(bits, group, sym):
+    """native_bf16 past one tile (M = 33, 64) stages block pairs and streams whole lines:
+    every thread count (a range starting on an odd block, ending on an even one) and a
+    partial last block inside a pair (1010 rows: 64 blocks, the last holding 2 rows)."""
+    why = native_head.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    qt = _table(bits, group, sym, 1010, 96)
+    p = PreparedTable.from_table(qt)
+    gen = torch.Generator().manual_seed(7)
+    n0 = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for m in (33, 64):
+                x = torch.randn(m, 96, generator=gen).to(BF)
+                got = layouts.Native.head_bf16(p.layout, x)
+                ref = _reference(qt, x)
+                a = x.float().abs() @ _wabs(qt).t()
+                bound = (6 * U[BF] + 96 * 2.0 ** -24) * a + 1e-30
+                assert ((got.float() - ref.float()).abs() <= bound).all(), (n, m)
+    finally:
+        torch.set_num_threads(n0)
