@@ -101,6 +101,13 @@ ROUTES: tuple[Route, ...] = (
           "(faster there, and exact)", **_AMX),
     Route(**{**_AMX, "acts": (BF16,)}, bits=(4,), groups="group", m_min=2,
           why="the AMX kernel below for bfloat16 at M = 2-15, before the int8-activation rows (faster there, and exact)"),
+    # The same on Zen 4 from M = 16: vdpbf16ps is as fast as the int8-activation rows there and
+    # faster above (AMD EPYC family 25 model 17, Gemma head Q4 g32, real hidden states,
+    # interleaved, ms exact vs int8 activations: M = 2 / 4 / 8 / 16 5.0 / 5.1 / 7.6 / 13.4 vs
+    # 3.8 / 3.4 / 7.2 / 13.9; M = 64 / 256 62.8 / 262 vs 84.0 / 390, twenty-first session)
+    Route(Native, "cpu", (4,), "group", (BF16,), None, "native_bf16", Native.head_bf16,
+          "on AMD, the vdpbf16ps kernel below for bfloat16 from M = 16, before the int8-activation rows "
+          "(as fast or faster there, and exact)", native_head.LIB, "avx512_bf16", m_min=16, cpu="vendor_amd"),
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
             _A8.format(how), lib, isa, "int8", Native.fits_a8)
       for isa, lib, how in _A8_BUILDS),

@@ -428,3 +428,25 @@ def test_bf16_kernel_staged_block_pairs(bits, group, sym):
                 assert ((got.float() - ref.float()).abs() <= bound).all(), (n, m)
     finally:
         torch.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("vendor", ["vendor_amd", "vendor_intel"])
+def test_int8_activations_yield_to_bf16_on_amd(vendor, monkeypatch):
+    """Under EMBEDQ_ACTIVATIONS=int8, an AMD CPU with AVX512-BF16 (no AMX) serves 4-bit
+    group tables exactly from M = 16 (vdpbf16ps as fast or faster there) and with int8
+    activations below; elsewhere the int8-activation rows serve every M. Flags only."""
+    from embedq.kernels import build
+    hw = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", vendor}
+    monkeypatch.setattr(build, "_hardware_flags", lambda: frozenset(hw))
+    monkeypatch.delenv("EMBEDQ_CPU_FEATURES", raising=False)
+    spec = layouts.Spec(rows=64, cols=64, bits=4, group_size=32, symmetric=True, scale_dtype=BF, dtype=BF,
+                        device=torch.device("cpu"))
+    rows = [r for r in dispatch.ROUTES if r.layout is layouts.Native and dispatch._fits(r, spec)
+            and (not r.cpu or r.cpu in build.cpu_flags()) and (r.lib is None or not r.lib._refused())]
+
+    def pick(m):
+        return next(r for r in rows if BF in r.acts and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
+    assert pick(8).act == "int8"
+    assert (pick(16).kernel, pick(256).kernel) == (("native_bf16",) * 2 if vendor == "vendor_amd" else
+                                                   (pick(16).kernel, pick(16).kernel))
+    assert (pick(16).act == "exact") == (vendor == "vendor_amd")
