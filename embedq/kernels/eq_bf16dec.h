@@ -36,9 +36,21 @@ static inline __m512i dec8s(const int8_t* p) {
 #endif
 
 static inline __m512i dec4(const uint8_t* p, __m512i tbl) {
+#if defined(__AVX512VBMI__) && !defined(EQ_NO_VBMI_DEC4)
+    /* Three uops where the form below takes five: each byte to both words of its row's dword
+       (vpermb), the odd words shifted right by 4 (vpsrlvw); vpermw reads an index's low 5 bits,
+       and the table repeats its 16 entries (dec4_table), so the bits above the nibble (the
+       other nibble, or the byte's bit 0 at bit 4) select the same value. */
+    const __m512i spread = _mm512_set_epi32(0x0F0F0F0F, 0x0E0E0E0E, 0x0D0D0D0D, 0x0C0C0C0C, 0x0B0B0B0B,
+        0x0A0A0A0A, 0x09090909, 0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404, 0x03030303,
+        0x02020202, 0x01010101, 0x00000000);
+    const __m512i b = _mm512_permutexvar_epi8(spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p)));
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(b, _mm512_set1_epi32(0x00040000)), tbl);
+#else
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
     return _mm512_permutexvar_epi16(idx, tbl); /* nibble n -> bf16(n - 8) */
+#endif
 }
 
 /* 16 rows x one column pair (pair = block * K/2 + p) as bf16 pairs */
@@ -48,8 +60,8 @@ static inline __m512i dec_pair(const uint8_t* w, int bits, int64_t pair, __m512i
 
 /* the 4-bit lookup: nibble n -> bf16(n - 8) */
 static inline __m512i dec4_table(void) {
-    uint16_t t[32] = {0};
-    for (int n = 0; n < 16; n++) { float f = (float)(n - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
+    uint16_t t[32] = {0};  /* entries 16-31 repeat 0-15 (dec4's VBMI form reads 5 index bits) */
+    for (int n = 0; n < 32; n++) { float f = (float)((n & 15) - 8); uint32_t u; memcpy(&u, &f, 4); t[n] = u >> 16; }
     return _mm512_loadu_si512(t);
 }
 

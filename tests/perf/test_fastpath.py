@@ -450,3 +450,27 @@ def test_int8_activations_yield_to_bf16_on_amd(vendor, monkeypatch):
     assert (pick(16).kernel, pick(256).kernel) == (("native_bf16",) * 2 if vendor == "vendor_amd" else
                                                    (pick(16).kernel, pick(16).kernel))
     assert (pick(16).act == "exact") == (vendor == "vendor_amd")
+
+
+def test_bf16_kernel_dec4_forms_agree(monkeypatch):
+    """The 4-bit decode's VBMI form (vpermb + vpsrlvw + vpermw over a repeated table) and the
+    form CPUs without AVX512-VBMI build (Cooper Lake) give the same logits bit for bit."""
+    from embedq.kernels import build
+    why = native_head.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    if "avx512vbmi" not in build.cpu_flags():
+        pytest.skip("CPU lacks avx512vbmi: the default build is the other form")
+    plain = build.LazyLibrary("head_novbmi", native_head._source, [*native_head.FLAGS, "-DEQ_NO_VBMI_DEC4"],
+                              needs=native_head.NEEDS, setup=native_head._setup, openmp=True)
+    monkeypatch.setattr(native_head, "LIB", native_head.LIB)
+    for sym in (True, False):
+        qt = _table(4, 32, sym, 1010, 96)
+        p = PreparedTable.from_table(qt)
+        for m in (1, 3, 16, 64):
+            x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(BF)
+            vbmi = layouts.Native.head_bf16(p.layout, x)
+            monkeypatch.setattr(native_head, "LIB", plain)
+            other = layouts.Native.head_bf16(p.layout, x)
+            monkeypatch.undo()
+            assert torch.equal(vbmi, other), (sym, m)
