@@ -45,15 +45,20 @@ def compiler() -> str | None:
     return None
 
 
-def cpu_ident() -> str:
-    """The CPU's feature flags (part of every library's cache key)."""
+def _cpuinfo_line(*keys: str) -> str | None:
+    """The first /proc/cpuinfo line starting with one of ``keys`` (None: none, or no file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+            return next((line for line in f if line.startswith(keys)), None)
     except OSError:
-        pass
+        return None
+
+
+def cpu_ident() -> str:
+    """The CPU's feature flags (part of every library's cache key)."""
+    line = _cpuinfo_line("flags", "Features")
+    if line is not None:
+        return line
     import platform
     return platform.machine() + platform.processor()
 
@@ -66,14 +71,8 @@ VENDOR_FLAGS = {"GenuineIntel": "vendor_intel", "AuthenticAMD": "vendor_amd"}
 
 
 def _vendor_flag() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return VENDOR_FLAGS.get(line.split(":", 1)[-1].strip())
-    except OSError:
-        pass
-    return None
+    line = _cpuinfo_line("vendor_id")
+    return None if line is None else VENDOR_FLAGS.get(line.split(":", 1)[-1].strip())
 
 
 @lru_cache(maxsize=1)

@@ -71,6 +71,8 @@ _A8_BUILDS = (("avx512vnni", _VNNI512,
 _AVX512F_HEAD = Native.head_f32(_F32["avx512f"])
 _AMX = dict(layout=Native, device="cpu", acts=(BF16, F16, F32), m_max=None, kernel="native_amx", run=Native.head_amx,
             lib=native_head.AMX_LIB, isa="amx_bf16", fits=Native.fits_amx)
+_BF16 = dict(layout=Native, device="cpu", acts=(BF16,), m_max=None, kernel="native_bf16", run=Native.head_bf16,
+             lib=native_head.LIB, isa="avx512_bf16")
 
 
 def _small_m(bits: tuple[int, ...], m_max: int, acts=(BF16,)) -> "Route":
@@ -105,9 +107,8 @@ ROUTES: tuple[Route, ...] = (
     # faster above (AMD EPYC family 25 model 17, Gemma head Q4 g32, real hidden states,
     # interleaved, ms exact vs int8 activations: M = 2 / 4 / 8 / 16 5.0 / 5.1 / 7.6 / 13.4 vs
     # 3.8 / 3.4 / 7.2 / 13.9; M = 64 / 256 62.8 / 262 vs 84.0 / 390, twenty-first session)
-    Route(Native, "cpu", (4,), "group", (BF16,), None, "native_bf16", Native.head_bf16,
-          "on AMD, the vdpbf16ps kernel below for bfloat16 from M = 16, before the int8-activation rows "
-          "(as fast or faster there, and exact)", native_head.LIB, "avx512_bf16", m_min=16, cpu="vendor_amd"),
+    Route(bits=(4,), groups="group", m_min=16, cpu="vendor_amd", why="on AMD, the vdpbf16ps kernel below from "
+          "M = 16, before the int8-activation rows (as fast or faster there, and exact)", **_BF16),
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
             _A8.format(how), lib, isa, "int8", Native.fits_a8)
       for isa, lib, how in _A8_BUILDS),
@@ -150,9 +151,8 @@ ROUTES: tuple[Route, ...] = (
     Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_avx512f", _AVX512F_HEAD,
           "on Intel, the AVX-512F kernel for bf16 activations from M = 16 (vdpbf16ps costs four FMAs' time there)",
           _F32["avx512f"], "avx512f", m_min=16, cpu="vendor_intel"),
-    Route(Native, "cpu", (4, 8), "any", (BF16,), None, "native_bf16", Native.head_bf16,
-          "embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, scales after the dot (exact)",
-          native_head.LIB, "avx512_bf16"),
+    Route(bits=(4, 8), groups="any", why="embedq's C kernel: codes -> bf16 once per call, vdpbf16ps, "
+          "scales after the dot (exact)", **_BF16),
     Route(Native, "cpu", (4, 8), "any", (BF16, F16, F32), None, "native_avx512f", _AVX512F_HEAD,
           "embedq's C kernel (AVX-512F): the AVX2 kernel 16 wide (zmm FMA), bit-identical to it",
           _F32["avx512f"], "avx512f"),

@@ -10,8 +10,9 @@ interleaved, docs/performance.md): M = 256 Q4 g32 96.5 -> 79.0 ms, int8 g64 93.9
 M = 64 Q4 g32 29.2 -> 26.7 (outputs below 32 MiB stay torch's: HUGE_MIN_OUTPUT). The AVX2 and
 AVX-512F kernels (compute-bound at those M) measured 1-2 % slower with them on that Xeon (two
 threads faulting the same 2 MiB pages), so their outputs stay torch's; the vdpbf16ps kernel's
-take them (on a Zen 4, where it serves large M: int8 g64 M = 256 271.8 -> 223.6 ms). The tables (read whole at every call) take them too; at M = 1 that
-measured within the run-to-run noise. Contents never change; where Linux has no THP the
+take them (on a Zen 4, where it serves large M: int8 g64 M = 256 271.8 -> 223.6 ms). The
+tables (read whole at every call) take them too; at M = 1 that measured within the run-to-run
+noise. Contents never change; where Linux has no THP the
 allocation is plain.
 """
 

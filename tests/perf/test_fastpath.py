@@ -67,6 +67,11 @@ def _reference(qt: QuantizedTable, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, qt.dequantize(F32).to(x.dtype))
 
 
+def _bound(qt: QuantizedTable, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The derived per-logit bound of an exact kernel against the reference (a = |x| @ |W|^T)."""
+    return (6 * U[x.dtype] + qt.cols * 2.0 ** -24) * a + 1e-30
+
+
 def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: torch.Tensor) -> None:
     got = p.linear(x)
     ref = _reference(qt, x)
@@ -74,7 +79,7 @@ def _check_linear(p: PreparedTable, qt: QuantizedTable, x: torch.Tensor, wabs: t
     u, k = U[x.dtype], qt.cols
     a = x.float().abs() @ wabs.t()
     err = (got.float() - ref.float()).abs()
-    bound = (6 * u + k * 2.0 ** -24) * a + 1e-30
+    bound = _bound(qt, x, a)
     worst = (err / bound).max().item()
     assert worst <= 1, f"{p.describe()} {x.dtype} {tuple(x.shape)}: error {worst:.2f}x the bound"
     # typical (random-walk) summation error: ~sqrt(K) * 2^-24 * |A| per element; 2x slack
@@ -379,24 +384,33 @@ def test_docs_show_the_dispatch_table():
     assert dispatch.table_markdown() in doc
 
 
-@pytest.mark.parametrize("vendor,want", [("vendor_intel", "native_avx512f"), ("vendor_amd", "native_bf16"), (None, "native_bf16")])
-def test_vendor_row_orders_bf16_kernels(vendor, want, monkeypatch):
-    """The CPU vendor is a property rows can need (build.VENDOR_FLAGS): without AMX, bf16
-    activations at M >= 16 take the AVX-512F kernel on Intel (vdpbf16ps four FMAs' time
-    there) and vdpbf16ps elsewhere (Zen 4: one FMA's time); EMBEDQ_CPU_FEATURES removes the
-    vendor like any feature. Decided on the flags alone: runs on every CPU."""
+def _rows_on(hw: set[str], monkeypatch, act: str | None = None):
+    """``pick(m)``: the Native row a CPU with exactly the flags ``hw`` serves bf16 activations
+    of a 4-bit g32 table with at M = m (rows of ``act`` only, or every kind); no build runs."""
     from embedq.kernels import build
-    hw = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} | ({vendor} if vendor else set())
     monkeypatch.setattr(build, "_hardware_flags", lambda: frozenset(hw))
     monkeypatch.delenv("EMBEDQ_CPU_FEATURES", raising=False)
     spec = layouts.Spec(rows=64, cols=64, bits=4, group_size=32, symmetric=True, scale_dtype=BF, dtype=BF,
                         device=torch.device("cpu"))
     rows = [r for r in dispatch.ROUTES if r.layout is layouts.Native and dispatch._fits(r, spec)
             and (not r.cpu or r.cpu in build.cpu_flags()) and (r.lib is None or not r.lib._refused())
-            and r.act == "exact"]
+            and (act is None or r.act == act)]
+    return lambda m: next(r for r in rows if BF in r.acts and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
+
+
+_AVX512_BF16 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+
+
+@pytest.mark.parametrize("vendor,want", [("vendor_intel", "native_avx512f"), ("vendor_amd", "native_bf16"), (None, "native_bf16")])
+def test_vendor_row_orders_bf16_kernels(vendor, want, monkeypatch):
+    """The CPU vendor is a property rows can need (build.VENDOR_FLAGS): without AMX, bf16
+    activations at M >= 16 take the AVX-512F kernel on Intel (vdpbf16ps four FMAs' time
+    there) and vdpbf16ps elsewhere (Zen 4: one FMA's time); EMBEDQ_CPU_FEATURES removes the
+    vendor like any feature. Decided on the flags alone: runs on every CPU."""
+    row = _rows_on(_AVX512_BF16 | ({vendor} if vendor else set()), monkeypatch, act="exact")
 
     def pick(m):
-        return next(r.kernel for r in rows if BF in r.acts and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
+        return row(m).kernel
     assert pick(16) == want and pick(256) == want
     assert pick(8) == "native_bf16" and pick(1) == "native_avx512f"
     if vendor:
@@ -422,10 +436,8 @@ def test_bf16_kernel_staged_block_pairs(bits, group, sym):
             for m in (33, 64):
                 x = torch.randn(m, 96, generator=gen).to(BF)
                 got = layouts.Native.head_bf16(p.layout, x)
-                ref = _reference(qt, x)
-                a = x.float().abs() @ _wabs(qt).t()
-                bound = (6 * U[BF] + 96 * 2.0 ** -24) * a + 1e-30
-                assert ((got.float() - ref.float()).abs() <= bound).all(), (n, m)
+                err = (got.float() - _reference(qt, x).float()).abs()
+                assert (err <= _bound(qt, x, x.float().abs() @ _wabs(qt).t())).all(), (n, m)
     finally:
         torch.set_num_threads(n0)
 
@@ -435,17 +447,7 @@ def test_int8_activations_yield_to_bf16_on_amd(vendor, monkeypatch):
     """Under EMBEDQ_ACTIVATIONS=int8, an AMD CPU with AVX512-BF16 (no AMX) serves 4-bit
     group tables exactly from M = 16 (vdpbf16ps as fast or faster there) and with int8
     activations below; elsewhere the int8-activation rows serve every M. Flags only."""
-    from embedq.kernels import build
-    hw = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", vendor}
-    monkeypatch.setattr(build, "_hardware_flags", lambda: frozenset(hw))
-    monkeypatch.delenv("EMBEDQ_CPU_FEATURES", raising=False)
-    spec = layouts.Spec(rows=64, cols=64, bits=4, group_size=32, symmetric=True, scale_dtype=BF, dtype=BF,
-                        device=torch.device("cpu"))
-    rows = [r for r in dispatch.ROUTES if r.layout is layouts.Native and dispatch._fits(r, spec)
-            and (not r.cpu or r.cpu in build.cpu_flags()) and (r.lib is None or not r.lib._refused())]
-
-    def pick(m):
-        return next(r for r in rows if BF in r.acts and (r.m_max is None or m <= r.m_max) and m >= r.m_min)
+    pick = _rows_on(_AVX512_BF16 | {vendor}, monkeypatch)
     assert pick(8).act == "int8"
     assert (pick(16).kernel, pick(256).kernel) == (("native_bf16",) * 2 if vendor == "vendor_amd" else
                                                    (pick(16).kernel, pick(16).kernel))
@@ -463,14 +465,13 @@ def test_bf16_kernel_dec4_forms_agree(monkeypatch):
         pytest.skip("CPU lacks avx512vbmi: the default build is the other form")
     plain = build.LazyLibrary("head_novbmi", native_head._source, [*native_head.FLAGS, "-DEQ_NO_VBMI_DEC4"],
                               needs=native_head.NEEDS, setup=native_head._setup, openmp=True)
-    monkeypatch.setattr(native_head, "LIB", native_head.LIB)
     for sym in (True, False):
         qt = _table(4, 32, sym, 1010, 96)
         p = PreparedTable.from_table(qt)
         for m in (1, 3, 16, 64):
             x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(BF)
             vbmi = layouts.Native.head_bf16(p.layout, x)
-            monkeypatch.setattr(native_head, "LIB", plain)
-            other = layouts.Native.head_bf16(p.layout, x)
-            monkeypatch.undo()
+            with monkeypatch.context() as mp:
+                mp.setattr(native_head, "LIB", plain)
+                other = layouts.Native.head_bf16(p.layout, x)
             assert torch.equal(vbmi, other), (sym, m)
