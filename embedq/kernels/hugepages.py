@@ -1,4 +1,4 @@
-"""2 MiB pages for what the CPU kernels stream: the prepared tables and the AMX kernel's outputs.
+"""2 MiB pages for what the CPU kernels stream: the prepared tables and the head kernels' outputs.
 
 Why: at M >= 16 a head call writes an output of the table's order (M x 262,144 logits for
 Gemma 3 270M: 134 MB at M = 256), so with 4 KiB pages it pays a page fault per 4 KiB and a
@@ -7,10 +7,11 @@ zeroing of every page each time (the output pool below). Linux's default mode fo
 transparent huge pages ("madvise") backs only regions that ask; asking before the first
 touch gets 2 MiB pages where memory allows. Measured on a Xeon with AMX (Gemma-shaped head,
 interleaved, docs/performance.md): M = 256 Q4 g32 96.5 -> 79.0 ms, int8 g64 93.9 -> 76.8;
-M = 64 Q4 g32 29.2 -> 26.7 (outputs below 32 MiB stay torch's: HUGE_MIN_OUTPUT). The AVX2 and
-AVX-512F kernels (compute-bound at those M) measured 1-2 % slower with them on that Xeon (two
-threads faulting the same 2 MiB pages), so their outputs stay torch's; the vdpbf16ps kernel's
-take them (on a Zen 4, where it serves large M: int8 g64 M = 256 271.8 -> 223.6 ms). The
+M = 64 Q4 g32 29.2 -> 26.7 (outputs below 32 MiB stay torch's: HUGE_MIN_OUTPUT). The vdpbf16ps
+kernel's take them (on a Zen 4, where it serves large M: int8 g64 M = 256 271.8 -> 223.6 ms), and
+so do the AVX2 and AVX-512F kernels' since the pool below: fresh 2 MiB pages had measured 1-2 %
+slower for them on that Xeon (two threads faulting the same pages), pooled ones, faulted once,
+0.86-0.94x at M = 256 on a Zen 4 (twenty-second session; docs/performance.md). The
 tables (read whole at every call) take them too; at M = 1 that measured within the run-to-run
 noise. Contents never change; where Linux has no THP the
 allocation is plain.

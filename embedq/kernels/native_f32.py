@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
+from embedq.kernels.hugepages import huge_empty
 
 SOURCE = Path(__file__).with_name("native_f32.c")
 _COMMON = ["-O3", "-shared", "-fPIC", "-pthread", "-std=gnu11"]
@@ -99,7 +100,9 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
         raise RuntimeError(lib.unavailable())
     xf = x.to(torch.float32).contiguous()  # exact from bf16 / f16: once per call
     M = xf.shape[0]
-    out = torch.empty(M, rows, dtype=x.dtype)
+    # from 32 MiB, the output pool's pages (hugepages.py): AMD EPYC Zen 4, synthetic Gemma head,
+    # interleaved, M = 256 Q4 g32 / int8 g64 0.87-0.93x (AVX2 build) and 0.86-0.94x (AVX-512F)
+    out = huge_empty((M, rows), x.dtype)
     rc = so.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                      bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
                      torch.get_num_threads())
@@ -117,7 +120,7 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
         raise RuntimeError(lib.unavailable())
     xf = x.to(torch.float32).contiguous()
     M = xf.shape[0]
-    out = torch.empty(M, rows, dtype=x.dtype)
+    out = huge_empty((M, rows), x.dtype)
     rc = so.head_q4a8(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
                       rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
                       torch.get_num_threads())

@@ -62,10 +62,11 @@ def test_layout_and_logits_equal_with_and_without_huge_pages(bits, group, sym, m
         if a is not None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert plain.nbytes == huge.nbytes
-    out = huge.linear(x)
-    if huge.last_kernel.startswith("native_amx"):  # the AMX kernel's output comes from huge_empty
-        assert out.data_ptr() % hugepages.HUGE_PAGE == 0, huge.last_kernel
-    assert torch.equal(out, ref_out)
+    for xd in (torch.bfloat16, torch.float32):  # the vdpbf16ps / AMX kernels and the float32 builds
+        out, ref = huge.linear(x.to(xd)), ref_out if xd == torch.bfloat16 else plain.linear(x.to(xd))
+        if huge.last_kernel.startswith("native_"):  # every C kernel's output comes from huge_empty
+            assert out.data_ptr() % hugepages.HUGE_PAGE == 0, huge.last_kernel
+        assert torch.equal(out, ref), huge.last_kernel
     for a, b in zip(ref_rows, huge.layout.rows(ids)):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
