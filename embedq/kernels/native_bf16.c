@@ -8,8 +8,17 @@
 /* EQ_PREFETCH (eq_convert.h) on every pair decoded: on an Intel Xeon (Sapphire Rapids class,
    AMX taken away: the AVX512-BF16 family emulated) Gemma head int8 g64 M = 1 / 2 / 8 13.9 /
    15.2 / 51.1 -> 8.6 / 8.9 / 18.3 ms, Q4 g32 M = 8 21.1 -> 15.7; flat from 3 to 16 KiB ahead;
-   M >= 16 (compute-bound) unchanged. */
+   M >= 16 (compute-bound) unchanged. EQ_BF16_PF_L2 (native_head._source defines it on AMD):
+   into L2 (prefetcht1) 8 KiB ahead instead, so the DRAM misses wait in L2's larger queue, not
+   in L1's fill buffers: AMD EPYC Zen 4, Gemma head from memory, interleaved, int8 g64 M = 2 /
+   3 / 4 / 8 / 64 0.71 / 0.74 / 0.81 / 0.99 / 0.93x the time, int8 per row 0.71 / 0.72 / 0.76 /
+   0.95 / 0.95x, Q4 g32 M = 2 0.93x, M = 3-64 0.98-1.01x (the float32 builds: 1.00-1.05x there,
+   so they keep EQ_PREFETCH). Bit for bit the same. */
+#if EQ_BF16_PF_L2
+#define PREFETCH(j, pair) __builtin_prefetch((const char*)((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16)) + 8192, 0, 2)
+#else
 #define PREFETCH(j, pair) EQ_PREFETCH((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16))
+#endif
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.
    int8: codes [NB][K/2][16][2] signed; 4-bit: bytes [NB][K/2][16], low nibble = column 2p,

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from embedq.format.scheme_units import unit_for
-from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source
+from embedq.kernels.build import SCALE_KIND, LazyLibrary, c_source, cpu_flags
 from embedq.kernels.hugepages import huge_empty
 
 # The C source beside this module (a real .c file: compilers, linters and diffs read it).
@@ -45,7 +45,10 @@ SOURCE = Path(__file__).with_name("native_bf16.c")
 
 
 def _source() -> str:
-    return c_source(SOURCE)
+    """The vdpbf16ps kernel's C source; on AMD its code stream prefetched into L2
+    (``EQ_BF16_PF_L2``: native_bf16.c says what it measured; Intel keeps the L1 form
+    measured there). The vendor is a feature (``EMBEDQ_CPU_FEATURES=-vendor_amd`` drops it)."""
+    return ("#define EQ_BF16_PF_L2 1\n" if "vendor_amd" in cpu_flags() else "") + c_source(SOURCE)
 
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
          "-shared", "-fPIC", "-pthread"]

@@ -454,6 +454,37 @@ def test_int8_activations_yield_to_bf16_on_amd(vendor, monkeypatch):
     assert (pick(16).act == "exact") == (vendor == "vendor_amd")
 
 
+@pytest.mark.parametrize("vendor", ["vendor_amd", "vendor_intel"])
+def test_bf16_kernel_prefetch_form_by_vendor(vendor, monkeypatch):
+    """The vdpbf16ps kernel's source asks for the L2 prefetch form on AMD only (flags only)."""
+    monkeypatch.setattr(native_head, "cpu_flags", lambda: frozenset({vendor}))
+    assert native_head._source().startswith("#define EQ_BF16_PF_L2 1\n") == (vendor == "vendor_amd")
+
+
+def test_bf16_kernel_prefetch_forms_agree(monkeypatch):
+    """Both prefetch forms of the vdpbf16ps kernel (built side by side on this CPU) give the
+    same logits bit for bit, every scheme, M in one tile and past it."""
+    from embedq.kernels import build
+    why = native_head.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    body = native_head.c_source(native_head.SOURCE)
+    libs = [build.LazyLibrary(f"head_pf{i}", lambda i=i: ("#define EQ_BF16_PF_L2 1\n" if i else "") + body,
+                              native_head.FLAGS, needs=native_head.NEEDS, setup=native_head._setup, openmp=True)
+            for i in (0, 1)]
+    for bits, group in ((4, 32), (8, 64), (8, None)):
+        qt = _table(bits, group, True, 1010, 128)
+        p = PreparedTable.from_table(qt)
+        for m in (2, 3, 17, 40):
+            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(BF)
+            outs = []
+            for lib in libs:
+                with monkeypatch.context() as mp:
+                    mp.setattr(native_head, "LIB", lib)
+                    outs.append(layouts.Native.head_bf16(p.layout, x))
+            assert torch.equal(*outs), (bits, group, m)
+
+
 def test_bf16_kernel_dec4_forms_agree(monkeypatch):
     """The 4-bit decode's VBMI form (vpermb + vpsrlvw + vpermw over a repeated table) and the
     form CPUs without AVX512-VBMI build (Cooper Lake) give the same logits bit for bit."""
