@@ -12,7 +12,7 @@
    into L2 (prefetcht1) 8 KiB ahead instead, so the DRAM misses wait in L2's larger queue, not
    in L1's fill buffers: AMD EPYC Zen 4, Gemma head from memory, interleaved, int8 g64 M = 2 /
    3 / 4 / 8 / 64 0.71 / 0.74 / 0.81 / 0.99 / 0.93x the time, int8 per row 0.71 / 0.72 / 0.76 /
-   0.95 / 0.95x, Q4 g32 M = 2 0.93x, M = 3-64 0.98-1.01x (the float32 builds: 1.00-1.05x there,
+   0.95 / 0.95x, Q4 g32 M = 2 0.93x, M = 3-64 0.98-1.01x (the float32 builds: 1.00-1.06x there,
    so they keep EQ_PREFETCH). Bit for bit the same. */
 #if EQ_BF16_PF_L2
 #define PREFETCH(j, pair) __builtin_prefetch((const char*)((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16)) + 8192, 0, 2)
