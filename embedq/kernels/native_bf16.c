@@ -14,10 +14,11 @@
    3 / 4 / 8 / 64 0.71 / 0.74 / 0.81 / 0.99 / 0.93x the time, int8 per row 0.71 / 0.72 / 0.76 /
    0.95 / 0.95x, Q4 g32 M = 2 0.93x, M = 3-64 0.98-1.01x (the float32 builds: 1.00-1.06x there,
    so they keep EQ_PREFETCH). Bit for bit the same. */
+#define PAIR_CODES(j, pair) ((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16))
 #if EQ_BF16_PF_L2
-#define PREFETCH(j, pair) __builtin_prefetch((const char*)((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16)) + 8192, 0, 2)
+#define PREFETCH(j, pair) __builtin_prefetch((const char*)PAIR_CODES(j, pair) + 8192, 0, 2)
 #else
-#define PREFETCH(j, pair) EQ_PREFETCH((j)->w + (pair) * ((j)->bits == 8 ? 32 : 16))
+#define PREFETCH(j, pair) EQ_PREFETCH(PAIR_CODES(j, pair))
 #endif
 
 /* Layout (one table, head and gather): rows in blocks of 16 (padded), columns in pairs.

@@ -44,11 +44,16 @@ from embedq.kernels.hugepages import huge_empty
 SOURCE = Path(__file__).with_name("native_bf16.c")
 
 
+def source_for(l2_prefetch: bool) -> str:
+    """The vdpbf16ps kernel's C source, its code stream prefetched into L2 (``EQ_BF16_PF_L2``:
+    native_bf16.c says what it measured) or into L1."""
+    return ("#define EQ_BF16_PF_L2 1\n" if l2_prefetch else "") + c_source(SOURCE)
+
+
 def _source() -> str:
-    """The vdpbf16ps kernel's C source; on AMD its code stream prefetched into L2
-    (``EQ_BF16_PF_L2``: native_bf16.c says what it measured; Intel keeps the L1 form
-    measured there). The vendor is a feature (``EMBEDQ_CPU_FEATURES=-vendor_amd`` drops it)."""
-    return ("#define EQ_BF16_PF_L2 1\n" if "vendor_amd" in cpu_flags() else "") + c_source(SOURCE)
+    """This CPU's form: L2 on AMD; Intel keeps the L1 form measured there. The vendor is a
+    feature (``EMBEDQ_CPU_FEATURES=-vendor_amd`` drops it)."""
+    return source_for("vendor_amd" in cpu_flags())
 
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off",
          "-shared", "-fPIC", "-pthread"]
@@ -185,4 +190,4 @@ def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tens
     return out
 
 
-__all__ = ["AMX_LIB", "amx_fits", "head_amx", "BLOCK", "SOURCE", "codes", "group_params", "head", "pack", "supports", "unavailable"]
+__all__ = ["AMX_LIB", "amx_fits", "head_amx", "BLOCK", "SOURCE", "codes", "source_for", "group_params", "head", "pack", "supports", "unavailable"]

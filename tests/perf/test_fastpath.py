@@ -458,7 +458,8 @@ def test_int8_activations_yield_to_bf16_on_amd(vendor, monkeypatch):
 def test_bf16_kernel_prefetch_form_by_vendor(vendor, monkeypatch):
     """The vdpbf16ps kernel's source asks for the L2 prefetch form on AMD only (flags only)."""
     monkeypatch.setattr(native_head, "cpu_flags", lambda: frozenset({vendor}))
-    assert native_head._source().startswith("#define EQ_BF16_PF_L2 1\n") == (vendor == "vendor_amd")
+    assert native_head._source() == native_head.source_for(vendor == "vendor_amd")
+    assert native_head.source_for(True) != native_head.source_for(False)
 
 
 def test_bf16_kernel_prefetch_forms_agree(monkeypatch):
@@ -468,10 +469,9 @@ def test_bf16_kernel_prefetch_forms_agree(monkeypatch):
     why = native_head.unavailable()
     if why is not None:
         pytest.skip(why)
-    body = native_head.c_source(native_head.SOURCE)
-    libs = [build.LazyLibrary(f"head_pf{i}", lambda i=i: ("#define EQ_BF16_PF_L2 1\n" if i else "") + body,
-                              native_head.FLAGS, needs=native_head.NEEDS, setup=native_head._setup, openmp=True)
-            for i in (0, 1)]
+    libs = [build.LazyLibrary(f"head_pf{int(l2)}", lambda l2=l2: native_head.source_for(l2), native_head.FLAGS,
+                              needs=native_head.NEEDS, setup=native_head._setup, openmp=True)
+            for l2 in (False, True)]
     for bits, group in ((4, 32), (8, 64), (8, None)):
         qt = _table(bits, group, True, 1010, 128)
         p = PreparedTable.from_table(qt)
