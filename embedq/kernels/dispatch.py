@@ -103,12 +103,10 @@ ROUTES: tuple[Route, ...] = (
           "(faster there, and exact)", **_AMX),
     Route(**{**_AMX, "acts": (BF16,)}, bits=(4,), groups="group", m_min=2,
           why="the AMX kernel below for bfloat16 at M = 2-15, before the int8-activation rows (faster there, and exact)"),
-    # The same on Zen 4 from M = 16: vdpbf16ps is as fast as the int8-activation rows there and
-    # faster above (AMD EPYC family 25 model 17, Gemma head Q4 g32, real hidden states,
-    # interleaved, ms exact vs int8 activations: M = 2 / 4 / 8 / 16 5.0 / 5.1 / 7.6 / 13.4 vs
-    # 3.8 / 3.4 / 7.2 / 13.9; M = 64 / 256 62.8 / 262 vs 84.0 / 390, twenty-first session)
-    Route(bits=(4,), groups="group", m_min=16, cpu="vendor_amd", why="on AMD, the vdpbf16ps kernel below from "
-          "M = 16, before the int8-activation rows (as fast or faster there, and exact)", **_BF16),
+    # Zen 4 has no row here: since the 16-row pass of the AVX512-VNNI body (twenty-third
+    # session) the int8-activation rows are faster than vdpbf16ps at every M there too (AMD
+    # EPYC family 25 model 17, Gemma head Q4 g32, real hidden states, interleaved, int8
+    # activations / exact: M = 16 / 32 / 64 / 128 / 256 0.77 / 0.76 / 0.82 / 0.81 / 0.81).
     *(Route(Native, "cpu", (4,), "group", (BF16, F16, F32), None, f"native_{isa}_a8", Native.head_a8(lib),
             _A8.format(how), lib, isa, "int8", Native.fits_a8)
       for isa, lib, how in _A8_BUILDS),

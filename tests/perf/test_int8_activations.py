@@ -194,6 +194,35 @@ def test_other_builds_equal_avx2_bit_for_bit(build, monkeypatch):
             assert torch.equal(native_f32.head_a8(lib, *args), native_f32.head_a8(native_f32.VARIANTS["avx2"], *args))
 
 
+def test_vnni_sixteen_row_pass_equals_avx2_bit_for_bit(monkeypatch):
+    """The AVX512-VNNI build decodes a block's codes once for 16 activation rows
+    (a8_block_vnni16) and once per 8 for the rest: its 16-row pass equals the same rows run
+    8 at a time bit for bit (rows are independent), and every M equals the AVX2 build for
+    groups of 32 and 64. (Groups of 128, asymmetric: a few outputs differ from the AVX2
+    build in the last bits, as before the 16-row pass; both within the bound above.)"""
+    if dispatch.isa_unavailable("avx512vnni"):
+        pytest.skip(dispatch.isa_unavailable("avx512vnni"))
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx512vnni"])
+    vnni, avx2 = native_f32.A8_VARIANTS["avx512vnni"], native_f32.VARIANTS["avx2"]
+    for group, sym, rows, cols in SCHEMES:
+        qt = _table(4, group, sym, rows, cols, BF)
+        L = PreparedTable.from_table(qt).layout
+        sp = L.spec
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(49, cols, generator=gen) * torch.exp(2 * torch.randn(1, cols, generator=gen))
+        x[3, :32] = 0  # an all-zero block in a 16-row pass
+        for m, dt in itertools.product((8, 15, 16, 17, 24, 32, 49), (BF, F32)):
+            xm = x[:m].to(dt)
+            got = native_f32.head_a8(vnni, L.w, L.s, L.z, sp.rows, sp.cols, sp.group, xm)
+            if group <= 64:
+                want = native_f32.head_a8(avx2, L.w, L.s, L.z, sp.rows, sp.cols, sp.group, xm)
+                assert torch.equal(got, want), (group, sym, m, dt)
+            if m >= 16:  # rows are independent: the 16-row pass equals its rows run 8 at a time
+                parts = [native_f32.head_a8(vnni, L.w, L.s, L.z, sp.rows, sp.cols, sp.group, xm[a:a + 8])
+                         for a in range(0, 16, 8)]
+                assert torch.equal(got[:16], torch.cat(parts)), (group, sym, m, dt)
+
+
 def test_transformers_load_opt_in(model_factory, monkeypatch):
     """``embedq.load(path, activations="int8")`` (no environment): the tied 4-bit head runs
     the int8 row and equals actquant's activations times the table; logits of the same
