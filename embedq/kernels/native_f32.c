@@ -74,12 +74,42 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define EQ_AVX512 1
+#if defined(EQ_SIMDE_VNNI)
+/* The conversions the AVX512-VNNI int8-activation body uses that SIMDe does not alias, as two
+   256-bit halves (the same values): with them the -DEQ_SIMDE -DEQ_SIMDE_VNNI build compiles
+   that body too, so CPUs without AVX512-VNNI test its source (tests/perf/test_int8_activations.py). */
+static inline __m512i eq_s_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512 eq_s_joinps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __m512i eq_s_cvtepu8_epi16(__m256i a) {
+    return eq_s_join(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(a)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(a, 1)));
+}
+static inline __m512i eq_s_cvtepu16_epi32(__m256i a) {
+    return eq_s_join(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)));
+}
+static inline __m512i eq_s_cvtepi8_epi32(__m128i a) {
+    return eq_s_join(_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+}
+static inline __m512 eq_s_cvtepi32_ps(__m512i a) {
+    return eq_s_joinps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(a)), _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(a, 1)));
+}
+static inline __m512 eq_s_cvtph_ps(__m256i h) {
+    return eq_s_joinps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+#define _mm512_cvtepu8_epi16 eq_s_cvtepu8_epi16
+#define _mm512_cvtepu16_epi32 eq_s_cvtepu16_epi32
+#define _mm512_cvtepi8_epi32 eq_s_cvtepi8_epi32
+#define _mm512_cvtepi32_ps eq_s_cvtepi32_ps
+#define _mm512_cvtph_ps eq_s_cvtph_ps
+#endif
 #elif EQ_AVX2 && defined(__AVX512F__)
 #define EQ_AVX512 1
 #else
 #define EQ_AVX512 0
 #endif
-#if EQ_AVX512 && defined(__AVX512VNNI__) && !defined(EQ_SIMDE)  /* the avx512vnni build: vpdpbusd */
+/* the avx512vnni build: vpdpbusd (and, tests only, its source over SIMDe: -DEQ_SIMDE -DEQ_SIMDE_VNNI) */
+#if EQ_AVX512 && ((defined(__AVX512VNNI__) && !defined(EQ_SIMDE)) || (defined(EQ_SIMDE) && defined(EQ_SIMDE_VNNI)))
 #define EQ_VNNI 1
 #else
 #define EQ_VNNI 0
