@@ -80,7 +80,13 @@ static int a8_quantize(const float* x, int64_t K, int64_t g, int8_t* q, int8_t* 
     if (xs)
         for (int64_t gi = 0; gi < K / g; gi++) {
             float a = 0.0f;
-            for (int64_t b = gi * (g / A8B); b < (gi + 1) * (g / A8B); b++) a += d[b] * (float)(corr[b] / 8);
+            for (int64_t b = gi * (g / A8B); b < (gi + 1) * (g / A8B); b++) {
+                /* volatile: a product rounded on its own, then the sum, in every build (GCC fused
+                   them where the target has FMA, unrolled differently per build: the AVX2 and
+                   AVX512-VNNI builds' asymmetric outputs differed in the last bits at g = 128) */
+                volatile float p = d[b] * (float)(corr[b] / 8);
+                a += p;
+            }
             xs[gi] = a;
         }
     return 0;
