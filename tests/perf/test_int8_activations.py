@@ -169,21 +169,22 @@ def test_non_finite_activations_take_the_exact_kernel(monkeypatch):
     assert torch.equal(got[fin], want[fin])
 
 
-@pytest.mark.parametrize("build", ["avx512f_simde", "avx2vnni_simde", "avx2vnni"])
+@pytest.mark.parametrize("build", ["avx512f_simde", "avx2vnni_simde", "avx2vnni", "avx512f"])
 def test_other_builds_equal_avx2_bit_for_bit(build, monkeypatch):
     """The avx512f row's int8 path is the AVX2 code compiled in the AVX-512F build, and the
     avx2vnni row's a body of its own (vpdpbusd) with the same int32 sums: each equals the AVX2
-    build bit for bit. Where no such CPU is at hand, the source is built over SIMDe."""
+    build bit for bit, every grouping. Where no such CPU is at hand, the source is built over
+    SIMDe (compiled for AVX2: the real builds' own compiler choices need the real CPU)."""
     from embedq.kernels import native_f32
     from tests.perf.test_cpu_variants import _emulated
-    if build == "avx2vnni":
-        if dispatch.isa_unavailable("avx2vnni"):
-            pytest.skip(f"{dispatch.isa_unavailable('avx2vnni')} (the SIMDe case runs its source)")
-        lib = native_f32.VARIANTS["avx2vnni"]
+    if build in ("avx2vnni", "avx512f"):
+        if dispatch.isa_unavailable(build):
+            pytest.skip(f"{dispatch.isa_unavailable(build)} (the SIMDe case runs its source)")
+        lib = native_f32.VARIANTS[build]
     else:
         lib = _emulated(avx512=build.startswith("avx512f"), vnni=build.startswith("avx2vnni"))
-    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2vnni" if build == "avx2vnni" else "avx2"])
-    for group, sym, rows, cols in SCHEMES[:4]:
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2" if build.endswith("_simde") else build])
+    for group, sym, rows, cols in SCHEMES:
         qt = _table(4, group, sym, rows, cols, BF)
         L = PreparedTable.from_table(qt).layout
         sp = L.spec
