@@ -212,14 +212,31 @@ static inline __attribute__((always_inline)) void a8_block_avxvnni(const a8job_t
    operations at 8 rows, then shared by twice the rows). */
 enum { A8MV = 8 };
 
+/* Column quad c of a block (its 32 code bytes at p) as vpdpbusd's unsigned operand (above). */
+static inline __attribute__((always_inline)) __m512i a8_quad512(const uint8_t* p) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)));
+    /* (v | v << 4) & 0x0f per byte: 0xA8 = (a | b) & c */
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), _mm512_set1_epi8(0x0f), 0xA8);
+}
+
+/* The 16 rows' scales / zero points of group index si (= (nb * G + gi) * RB) as float32. */
+static inline __m512 a8_scales512(const job_t* j, int64_t si) {
+    if (j->skind == 0) return _mm512_loadu_ps((const float*)j->s + si);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)j->s + si));
+    return j->skind == 2 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 a8_zeros512(const job_t* j, int64_t si) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + si))));
+}
+
 static inline __attribute__((always_inline)) void a8_block_vnni(const a8job_t* A, const int nm, int64_t nb,
                                                                 int64_t m0, float* o) {
     const job_t* j = &A->j;
     const int64_t K = j->K, KB = K / A8B, G = j->G, BPG = j->g / A8B;
     const uint8_t* wb = j->w + nb * (K / 2) * 16;
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512 out[A8MV];
     for (int64_t gi = 0; gi < G; gi++) {
         __m512 t[A8MV];
@@ -229,10 +246,7 @@ static inline __attribute__((always_inline)) void a8_block_vnni(const a8job_t* A
             for (int i = 0; i < nm; i++) acc[i] = _mm512_setzero_si512();
             const uint8_t* b0 = wb + kb * 256;
             for (int c = 0; c < 8; c++) {
-                const __m512i v = _mm512_permutexvar_epi16(
-                    idx, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b0 + c * 32))));
-                /* (v | v << 4) & 0x0f per byte: 0xA8 = (a | b) & c */
-                const __m512i u = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), m4, 0xA8);
+                const __m512i u = a8_quad512(b0 + c * 32);
                 for (int i = 0; i < nm; i++) {
                     int32_t xq;
                     memcpy(&xq, A->q + (m0 + i) * K + kb * A8B + c * 4, 4);
@@ -246,17 +260,11 @@ static inline __attribute__((always_inline)) void a8_block_vnni(const a8job_t* A
             }
         }
         const int64_t si = (nb * G + gi) * RB;
-        __m512 sv;
-        if (j->skind == 0) sv = _mm512_loadu_ps((const float*)j->s + si);
-        else {
-            const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)j->s + si));
-            sv = j->skind == 2 ? _mm512_cvtph_ps(h)
-                               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
+        const __m512 sv = a8_scales512(j, si);
         for (int i = 0; i < nm; i++) {
             __m512 ti = t[i];
             if (j->z) {
-                const __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + si))));
+                const __m512 zv = a8_zeros512(j, si);
                 ti = _mm512_fnmadd_ps(zv, _mm512_set1_ps(A->xs[(m0 + i) * G + gi]), ti);
             }
             out[i] = gi == 0 ? _mm512_mul_ps(ti, sv) : _mm512_fmadd_ps(ti, sv, out[i]);
@@ -277,22 +285,12 @@ static inline __attribute__((always_inline)) void a8_block_vnni16(const a8job_t*
     const job_t* j = &A->j;
     const int64_t K = j->K, KB = K / A8B, G = j->G, BPG = j->g / A8B;
     const uint8_t* wb = j->w + nb * (K / 2) * 16;
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     const int32_t* XP = A->xt + (m0 / 16) * KB * A8XT;
     float tb[16 * RB] __attribute__((aligned(64)));
     for (int64_t gi = 0; gi < G; gi++) {
         const int64_t si = (nb * G + gi) * RB;
-        __m512 sv;
-        if (j->skind == 0) sv = _mm512_loadu_ps((const float*)j->s + si);
-        else {
-            const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)j->s + si));
-            sv = j->skind == 2 ? _mm512_cvtph_ps(h)
-                               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        const __m512 zv = j->z ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(j->z + si))))
-                               : _mm512_setzero_ps();
+        const __m512 sv = a8_scales512(j, si);
+        const __m512 zv = j->z ? a8_zeros512(j, si) : _mm512_setzero_ps();
         for (int64_t kb = gi * BPG; kb < (gi + 1) * BPG; kb++) {
             const int32_t* X = XP + kb * A8XT;
             const float* D = (const float*)(X + 144);
@@ -301,9 +299,7 @@ static inline __attribute__((always_inline)) void a8_block_vnni16(const a8job_t*
             const uint8_t* b0 = wb + kb * 256;
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
-                const __m512i v = _mm512_permutexvar_epi16(
-                    idx, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b0 + c * 32))));
-                const __m512i u = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), m4, 0xA8);
+                const __m512i u = a8_quad512(b0 + c * 32);
                 for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], u, _mm512_set1_epi32(X[c * 16 + i]));
             }
             const int first = kb == gi * BPG, last = kb == (gi + 1) * BPG - 1;
