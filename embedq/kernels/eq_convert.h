@@ -9,6 +9,16 @@
    hardware prefetchers left their code loads stalled (perf: most samples on one load).
    Measured per kernel in docs/performance.md ("seventh session"). A hint: never faults. */
 #define EQ_PREFETCH(p) __builtin_prefetch((const char*)(p) + 4096, 0, 3)
+/* Running integer sums stay running sums: an empty asm that may "change" v, so GCC cannot
+   reassociate the additions across it. Without it GCC 12 turns an unrolled loop of sums (the
+   4-bit M = 1 planes at g32, the AVX2 int8-activation body) into all the products first and a
+   tree of additions after, spilling most products to the stack. Where it is used and what it
+   measured: eq_q4planes.h, eq_q4a8.h. */
+#if defined(__GNUC__) && defined(__AVX2__)
+#define EQ_KEEP(v) __asm__("" : "+x"(v))
+#else  /* (SIMDe's emulated vectors are structs, not registers) */
+#define EQ_KEEP(v) ((void)0)
+#endif
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 

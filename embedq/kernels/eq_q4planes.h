@@ -143,18 +143,6 @@ static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
 #else
 #define Q4I_DP(acc, c, x) _mm256_add_epi32(acc, _mm256_madd_epi16(c, x))
 #endif
-/* The running sums stay sums: an empty asm that may "change" v, so GCC cannot reassociate the
-   integer additions across it. Without it GCC 12 turns the unrolled g32 loop (IT = 8) into 32
-   products first and a tree of additions after, spilling ~24 ymm products to the stack per group
-   (AVX2 build; the dword layout's loop likewise). Gemma head Q4 g32 M = 1 from memory, AVX2
-   build on a Zen 4, interleaved: 0.92-0.95x the time (pair layout), 0.89x (dword layout); with
-   groups of 64 (IT = 16, not unrolled) and in the AVX-512 builds it measured no gain: not there. */
-#if defined(__GNUC__) && defined(__AVX2__)
-#define EQ_KEEP(v) __asm__("" : "+x"(v))
-#else  /* (SIMDe's emulated vectors are structs, not registers) */
-#define EQ_KEEP(v) ((void)0)
-#endif
-
 /* The dots of one group with one or two planes (X1 NULL: one): a / b [4] = int32 sums for
    rows 0-3, 4-7, 8-11, 12-15, each [pair A | pair B] by 128-bit lane. Inlined with IT a
    constant (g32: 8, g64: 16) the loop unrolls (a runtime-length loop: 12-13 % slower on the
@@ -179,6 +167,9 @@ static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, co
             const __m256i x1 = _mm256_loadu_si256((const __m256i*)(X1 + it * 16));
             for (int r = 0; r < 4; r++) b[r] = Q4I_DP(b[r], c[r], x1);
         }
+        /* EQ_KEEP (eq_convert.h): at g32 (IT = 8, unrolled) GCC 12 otherwise computes the 32
+           products first and spills ~24 (AVX2 build). Gemma head Q4 g32 M = 1 from memory, Zen 4,
+           interleaved: 0.92-0.95x the time; at g64 (not unrolled) and in the zmm loop no gain */
         if (IT == 8) for (int r = 0; r < 4; r++) { EQ_KEEP(a[r]); if (X1) EQ_KEEP(b[r]); }
     }
 }
@@ -273,6 +264,7 @@ static inline __attribute__((always_inline)) void q4d_one(const uint32_t* b0, co
         const __m256i d1 = _mm256_loadu_si256((const __m256i*)(b0 + ch * RB + 8));
         Q4D_STEP(d0, x0, x1, x2, x3, a0, a1, a2);
         Q4D_STEP(d1, x0, x1, x2, x3, c0, c1, c2);
+        /* (the same spills as q4i_dots without it; M = 1 0.89x the time) */
         EQ_KEEP(a0); EQ_KEEP(a1); EQ_KEEP(a2); EQ_KEEP(c0); EQ_KEEP(c1); EQ_KEEP(c2);
     }
     *r0 = q4d_fold(a0, a1, a2);
