@@ -101,3 +101,23 @@ def test_paired_ratio_survives_a_burst_that_two_medians_do_not():
     # slow paths ran the first rounds only: paired with the baseline's same rounds
     assert mod.paired_ratio([30.0, 30.0], base)[0] == 3.0
     assert mod.paired_ratio([7.0], base) == (0.7, 0.7, 0.7)
+
+
+def test_read_floor_reads_every_held_tensor():
+    """S-read: a plain read of every tensor the prepared table holds (the memory floor printed
+    beside the kernels), whatever their sizes."""
+    import torch
+    from embedq.kernels import PreparedTable
+    bs = _bench_serve()
+    w = torch.randn(37, 96).to(torch.bfloat16)
+    for name in ("q4g32a", "int8"):
+        p = PreparedTable.from_table(bs.quantize_table(w, bs.parse_scheme(name)))
+        lay = p.layout
+        held = [getattr(lay, n) for n in lay.holds if getattr(lay, n) is not None]
+        out = bs.read_floor(p)(None)
+        assert len(out) == len(held) >= 2
+        assert sum(t.numel() * t.element_size() for t in held) == p.nbytes
+        for o, t in zip(out, held):
+            b = t.contiguous().view(torch.uint8).reshape(-1)
+            want = b.view(torch.int64).sum() if b.numel() % 8 == 0 else b.amax()
+            assert torch.equal(o, want)
