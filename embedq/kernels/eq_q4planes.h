@@ -29,10 +29,11 @@ typedef struct q4planes {
     int32_t* corr; /* [plane] 8 * sum m' (the offset-binary 8 of u - 8, folded in exactly) */
     float* mul;    /* [plane] 2^B */
     int* off;      /* [K / chunk + 1]: chunk ci's planes are off[ci] .. off[ci + 1] - 1 */
+    uint32_t* nz;  /* [plane] bit i: columns 4i .. 4i + 3 of the chunk hold a value of this plane */
     int64_t chunk; /* columns per chunk of planes (4-bit: the group; int8: eq_i8planes.h) */
 } q4planes_t;
 
-static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mul); free(P->off); }
+static void q4planes_free(q4planes_t* P) { free(P->x); free(P->corr); free(P->mul); free(P->off); free(P->nz); }
 
 /* The planes of c (<= 64) activations, shared by the 4-bit and int8 builders: eqp_scan reads
    each value as M 2^f (M odd; 0 when a value fits no plane: inf, NaN, > 15 significant bits),
@@ -90,16 +91,19 @@ static int planes_build(const float* x, int64_t K, int64_t c, int64_t stride,
     P->corr = malloc(sizeof(int32_t) * K);
     P->mul = malloc(sizeof(float) * K);
     P->off = malloc(sizeof(int) * (NC + 1));
+    P->nz = malloc(sizeof(uint32_t) * K);
     eqp_scan_t S;
     int32_t v[64];
-    if (!P->x || !P->corr || !P->mul || !P->off) goto fail;
+    if (!P->x || !P->corr || !P->mul || !P->off || !P->nz) goto fail;
     int np = 0;
     for (int64_t ci = 0; ci < NC; ci++) {
         P->off[ci] = np;
         if (!eqp_scan(x + ci * c, c, &S)) goto fail;
         while (eqp_next(&S, v, &P->mul[np])) {
             int32_t sum = 0;
-            for (int64_t k = 0; k < c; k++) sum += v[k];
+            uint32_t nz = 0;
+            for (int64_t k = 0; k < c; k++) { sum += v[k]; if (v[k]) nz |= 1u << (k / 4); }
+            P->nz[np] = nz;
             lay(P->x + (int64_t)np * stride, v, c);
             P->corr[np++] = 8 * sum;
         }
@@ -128,7 +132,9 @@ static void q4_lay(int16_t* xp, const int32_t* v, int64_t g) {
 /* 1 when every activation fits a plane (then P is filled, one chunk per group), 0 otherwise. */
 static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
     memset(P, 0, sizeof *P);
-    if (g % (EQ_Q4DW ? 8 : 4) || g > 64) return 0; /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24 */
+    /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24; g % 8 (every stored group, format/scheme.py):
+       the zmm pass takes two steps of 4 columns at a time */
+    if (g % 8 || g > 64) return 0;
     return planes_build(x, K, g, Q4P_STRIDE(g), q4_lay, P);
 }
 
@@ -143,35 +149,45 @@ static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
 #else
 #define Q4I_DP(acc, c, x) _mm256_add_epi32(acc, _mm256_madd_epi16(c, x))
 #endif
-/* The dots of one group with one or two planes (X1 NULL: one): a / b [4] = int32 sums for
-   rows 0-3, 4-7, 8-11, 12-15, each [pair A | pair B] by 128-bit lane. Inlined with IT a
-   constant (g32: 8, g64: 16) the loop unrolls (a runtime-length loop: 12-13 % slower on the
-   Gemma head). With two planes the 8 sums, 4 code vectors, 2 activation loads and masks exceed
-   AVX2's 16 ymm, so GCC 12 still keeps some sums in stack slots (vpaddd with a memory operand:
-   ~70 in the AVX2 build's direct_blocks); the gain is the unrolling, not registers. */
-static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, const int16_t* X0, const int16_t* X1,
-                                                           const int64_t IT, __m256i a[4], __m256i b[4]) {
+/* One step of a plane's dots: the codes of column pairs 2it (128-bit lane 0) and 2it + 1 (lane 1)
+   of 16 rows times the plane X into a[4] = int32 sums for rows 0-3, 4-7, 8-11, 12-15, each
+   [pair A | pair B] by 128-bit lane. */
+static inline __attribute__((always_inline)) void q4i_step(const uint8_t* b0, const int16_t* X, const int64_t it,
+                                                           __m256i a[4]) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
-    for (int r = 0; r < 4; r++) a[r] = b[r] = zero;
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
+    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+    /* int16 (c0, c1) per row: rows 0-3, 4-7, 8-11, 12-15 of both pairs */
+    const __m256i c[4] = {_mm256_unpacklo_epi8(u0, zero), _mm256_unpackhi_epi8(u0, zero),
+                          _mm256_unpacklo_epi8(u1, zero), _mm256_unpackhi_epi8(u1, zero)};
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(X + it * 16));
+    for (int r = 0; r < 4; r++) a[r] = Q4I_DP(a[r], c[r], x);
+}
+
+/* The dots of one group's first plane, every step. Inlined with IT a constant (g32: 8, g64:
+   16) the loop unrolls (a runtime-length loop: 12-13 % slower on the Gemma head). */
+static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, const int16_t* X, const int64_t IT,
+                                                           __m256i a[4]) {
+    for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_si256();
     for (int64_t it = 0; it < IT; it++) {
-        /* pairs 2it (128-bit lane 0) and 2it+1 (lane 1), 16 rows each */
-        const __m256i w = _mm256_loadu_si256((const __m256i*)(b0 + it * 32));
-        const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-        const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
-        /* int16 (c0, c1) per row: rows 0-3, 4-7, 8-11, 12-15 of both pairs */
-        const __m256i c[4] = {_mm256_unpacklo_epi8(u0, zero), _mm256_unpackhi_epi8(u0, zero),
-                              _mm256_unpacklo_epi8(u1, zero), _mm256_unpackhi_epi8(u1, zero)};
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(X0 + it * 16));
-        for (int r = 0; r < 4; r++) a[r] = Q4I_DP(a[r], c[r], x0);
-        if (X1) {
-            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(X1 + it * 16));
-            for (int r = 0; r < 4; r++) b[r] = Q4I_DP(b[r], c[r], x1);
-        }
+        q4i_step(b0, X, it, a);
         /* EQ_KEEP (eq_convert.h): at g32 (IT = 8, unrolled) GCC 12 otherwise computes the 32
            products first and spills ~24 (AVX2 build). Gemma head Q4 g32 M = 1 from memory, Zen 4,
            interleaved: 0.92-0.95x the time; at g64 (not unrolled) and in the zmm loop no gain */
-        if (IT == 8) for (int r = 0; r < 4; r++) { EQ_KEEP(a[r]); if (X1) EQ_KEEP(b[r]); }
+        if (IT == 8) for (int r = 0; r < 4; r++) EQ_KEEP(a[r]);
     }
+}
+
+/* The dots of a later plane (values below ~2^-7 of the group's largest): only the steps whose
+   four columns hold one of its values (nz), the codes decoded again. On Gemma 3 270M's hidden
+   states 36 % of g32 groups have a second plane, and it touches one step of 8 in 71 % of them,
+   two in 18 %; the dense form (both planes in one pass) spent 8 steps on it. Integer sums of
+   the same products, so the same bits. */
+static inline __attribute__((always_inline)) void q4i_sparse(const uint8_t* b0, const int16_t* X, uint32_t nz,
+                                                             __m256i a[4]) {
+    for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_si256();
+    for (; nz; nz &= nz - 1) q4i_step(b0, X, __builtin_ctz(nz), a);
 }
 
 #if EQ_AVX512
@@ -188,8 +204,8 @@ static inline __attribute__((always_inline)) void q4i_dots(const uint8_t* b0, co
 #define Q4I_DP512(acc, c, x) _mm512_add_epi32(acc, EQ_MADD512(c, x))
 #endif
 /* The same dots four pairs per zmm (pairs 2it .. 2it+3 in the four 128-bit lanes, the
-   activation chunks it and it + 1 side by side: the layout is already that), IT even; the
-   two 256-bit halves added at the end. Integer sums, so the result is the ymm version's bit
+   activation chunks it and it + 1 side by side: the layout is already that), IT even (g % 8);
+   the two 256-bit halves added at the end. Integer sums, so the result is the ymm version's bit
    for bit. Half the instructions per code: the AVX-512 builds (and with them 4-bit M = 1 on
    AMX and AVX512-BF16 CPUs, which take the AVX-512F row there) were bound by them. */
 static inline __attribute__((always_inline)) void q4i_dots512(const uint8_t* b0, const int16_t* X0,
@@ -216,9 +232,6 @@ static inline __attribute__((always_inline)) void q4i_dots512(const uint8_t* b0,
         b[r] = _mm256_add_epi32(_mm512_castsi512_si256(B[r]), _mm512_extracti64x4_epi64(B[r], 1));
     }
 }
-#define Q4I_DOTS(b0, X0, X1, IT, a, b) ((IT) % 2 ? q4i_dots(b0, X0, X1, IT, a, b) : q4i_dots512(b0, X0, X1, IT, a, b))
-#else
-#define Q4I_DOTS q4i_dots
 #endif
 
 /* One plane's exact dot (minus corr) times 2^B added to the group's float sums t0, t1. */
@@ -229,6 +242,20 @@ static inline void q4i_out(const __m256i a[4], int32_t corr, float mul, __m256* 
     const __m256i r1 = _mm256_add_epi32(_mm256_permute2x128_si256(a[2], a[3], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x31));
     *t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r0, c)), m, *t0);
     *t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(r1, c)), m, *t1);
+}
+
+/* The planes q0 .. qe - 1 of one group of the pair layout into t0, t1: the first dense, the
+   later ones sparse (q4i_sparse). */
+static inline __attribute__((always_inline)) void q4i_group(const q4planes_t* P, const uint8_t* b0, int q0, int qe,
+                                                            const int64_t IT, __m256* t0, __m256* t1) {
+    if (q0 >= qe) return;
+    __m256i a[4];
+    q4i_dots(b0, P->x + (int64_t)q0 * IT * 16, IT, a);
+    q4i_out(a, P->corr[q0], P->mul[q0], t0, t1);
+    for (int q = q0 + 1; q < qe; q++) {
+        q4i_sparse(b0, P->x + (int64_t)q * IT * 16, P->nz[q], a);
+        q4i_out(a, P->corr[q], P->mul[q], t0, t1);
+    }
 }
 
 #if EQ_Q4DW
@@ -331,17 +358,26 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
         const uint8_t* b0 = wb + gi * PG * 16;
         for (int64_t c = 0; c < PG * 16; c += 64) EQ_PREFETCH(b0 + c);  /* M = 1 7.2 -> 3.5 ms */
-        for (int q0 = P->off[gi]; q0 < P->off[gi + 1]; q0 += 2) {
-            const int two = q0 + 1 < P->off[gi + 1];
-            const int16_t* X0 = P->x + (int64_t)q0 * IT * 16;
+        const int q0 = P->off[gi], qe = P->off[gi + 1];
+#if EQ_AVX512
+        /* both planes of a group in one pass, four pairs per zmm: a second plane costs four
+           vpdpwssd here (sparse, as the ymm pass: ~1.05x the time, Zen 4) */
+        for (int q = q0; q < qe; q += 2) {
+            const int two = q + 1 < qe;
+            const int16_t* X0 = P->x + (int64_t)q * IT * 16;
             const int16_t* X1 = X0 + IT * 16;
             __m256i a[4], b[4];
-            if (IT == 8) { if (two) Q4I_DOTS(b0, X0, X1, 8, a, b); else Q4I_DOTS(b0, X0, NULL, 8, a, b); }
-            else if (IT == 16) { if (two) Q4I_DOTS(b0, X0, X1, 16, a, b); else Q4I_DOTS(b0, X0, NULL, 16, a, b); }
-            else Q4I_DOTS(b0, X0, two ? X1 : NULL, IT, a, b);
-            q4i_out(a, P->corr[q0], P->mul[q0], &t0, &t1);
-            if (two) q4i_out(b, P->corr[q0 + 1], P->mul[q0 + 1], &t0, &t1);
+            if (IT == 8) { if (two) q4i_dots512(b0, X0, X1, 8, a, b); else q4i_dots512(b0, X0, NULL, 8, a, b); }
+            else if (IT == 16) { if (two) q4i_dots512(b0, X0, X1, 16, a, b); else q4i_dots512(b0, X0, NULL, 16, a, b); }
+            else q4i_dots512(b0, X0, two ? X1 : NULL, IT, a, b);
+            q4i_out(a, P->corr[q], P->mul[q], &t0, &t1);
+            if (two) q4i_out(b, P->corr[q + 1], P->mul[q + 1], &t0, &t1);
         }
+#else
+        if (IT == 8) q4i_group(P, b0, q0, qe, 8, &t0, &t1);
+        else if (IT == 16) q4i_group(P, b0, q0, qe, 16, &t0, &t1);
+        else q4i_group(P, b0, q0, qe, IT, &t0, &t1);
+#endif
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
         group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, o);

@@ -297,7 +297,8 @@ Q4_ONE_ROW = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and 4 in r
 
 
 @pytest.mark.parametrize("variant", sorted(Q4_ONE_ROW))
-@pytest.mark.parametrize("group,sym", [(32, True), (32, False), (64, True), (64, False)])
+# 8, 16: step counts (columns / 4) that the kernels do not unroll
+@pytest.mark.parametrize("group,sym", [(32, True), (32, False), (64, True), (64, False), (8, False), (16, True)])
 def test_q4_one_row_integer_planes(variant, group, sym, monkeypatch):
     """eq_q4planes.h: bf16 / f16 activations of one row are split into planes of exact
     int16 values over one power of two per group; the kernel's integer sums equal the
