@@ -30,44 +30,40 @@ static void i8_lay(int16_t* xp, const int32_t* v, int64_t c) {
 
 /* 1 when every activation fits a plane (then P is filled; corr unused), 0 otherwise. */
 static int i8planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
-    return planes_build(x, K, i8_chunk(g), i8_chunk(g), i8_lay, P);
+    return planes_build(x, K, i8_chunk(g), i8_chunk(g), 2, i8_lay, P);
 }
 
-/* One or two planes (X1 NULL: one) over CP column pairs of a block's codes b0 ([CP][16][2]):
-   a / b [2] = the int32 sums of rows 0-7 and 8-15. */
-static inline __attribute__((always_inline)) void i8i_dots(const int8_t* b0, const int32_t* X0, const int32_t* X1,
-                                                           const int64_t CP, __m256i a[2], __m256i b[2]) {
+/* One plane over CP column pairs of a block's codes b0 ([CP][16][2]): a[2] = the int32 sums of
+   rows 0-7 and 8-15. nz: the pairs to take (all for the chunk's first plane; a later plane's
+   values, below ~2^-7 of the chunk's largest, sit in 1-3 pairs of 32 mostly: Gemma 3 270M's
+   hidden states need a second plane in 63 % of 64-column chunks). Integer sums of the same
+   products whichever pairs are skipped, so the same bits. */
+static inline __attribute__((always_inline)) void i8i_dots(const int8_t* b0, const int32_t* X, const int64_t CP,
+                                                           const int dense, uint32_t nz, __m256i a[2]) {
 #if EQ_AVX512 && !defined(EQ_SIMDE)
     /* a pair's 16 rows in one zmm (dword r: row r's two codes); even and odd pairs in two sums.
        Integer sums, so the ymm loop's values exactly. */
-    __m512i A0 = _mm512_setzero_si512(), A1 = A0, B0 = A0, B1 = A0;
-#define I8I_PAIR(P, A, B) do {                                                                    \
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b0 + (P) * 32))); \
-        A = Q4I_DP512(A, w, _mm512_set1_epi32(X0[P]));                                            \
-        if (X1) B = Q4I_DP512(B, w, _mm512_set1_epi32(X1[P]));                                    \
-    } while (0)
-    int64_t p = 0;
-    for (; p + 1 < CP; p += 2) { I8I_PAIR(p, A0, B0); I8I_PAIR(p + 1, A1, B1); }
-    if (p < CP) I8I_PAIR(p, A0, B0);
+    __m512i A0 = _mm512_setzero_si512(), A1 = A0;
+#define I8I_PAIR(P, A) A = Q4I_DP512(A, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(b0 + (P) * 32))), \
+                                     _mm512_set1_epi32(X[P]))
+    if (dense) {
+        int64_t p = 0;
+        for (; p + 1 < CP; p += 2) { I8I_PAIR(p, A0); I8I_PAIR(p + 1, A1); }
+        if (p < CP) I8I_PAIR(p, A0);
+        A0 = _mm512_add_epi32(A0, A1);
+    } else for (; nz; nz &= nz - 1) I8I_PAIR(__builtin_ctz(nz), A0);
 #undef I8I_PAIR
-    A0 = _mm512_add_epi32(A0, A1);
-    B0 = _mm512_add_epi32(B0, B1);
     a[0] = _mm512_castsi512_si256(A0); a[1] = _mm512_extracti64x4_epi64(A0, 1);
-    b[0] = _mm512_castsi512_si256(B0); b[1] = _mm512_extracti64x4_epi64(B0, 1);
 #else
-    a[0] = a[1] = b[0] = b[1] = _mm256_setzero_si256();
-    for (int64_t p = 0; p < CP; p++) {
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b0 + p * 32)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b0 + p * 32 + 16)));
-        const __m256i x0 = _mm256_set1_epi32(X0[p]);
-        a[0] = Q4I_DP(a[0], w0, x0);
-        a[1] = Q4I_DP(a[1], w1, x0);
-        if (X1) {
-            const __m256i x1 = _mm256_set1_epi32(X1[p]);
-            b[0] = Q4I_DP(b[0], w0, x1);
-            b[1] = Q4I_DP(b[1], w1, x1);
-        }
-    }
+    a[0] = a[1] = _mm256_setzero_si256();
+#define I8I_PAIR(P) do {                                                                          \
+        const __m256i x = _mm256_set1_epi32(X[P]);                                                \
+        a[0] = Q4I_DP(a[0], _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b0 + (P) * 32))), x);      \
+        a[1] = Q4I_DP(a[1], _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b0 + (P) * 32 + 16))), x); \
+    } while (0)
+    if (dense) for (int64_t p = 0; p < CP; p++) I8I_PAIR(p);
+    else for (; nz; nz &= nz - 1) I8I_PAIR(__builtin_ctz(nz));
+#undef I8I_PAIR
 #endif
 }
 
@@ -81,18 +77,15 @@ static void direct8i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
             const int8_t* b0 = wq + ci * CP * 32;
             /* the chunk 4 KiB ahead (without: 1.27x the time from memory) */
             for (int64_t k = 0; k < CP * 32; k += 64) EQ_PREFETCH(b0 + k);
-            for (int q0 = P->off[ci]; q0 < P->off[ci + 1]; q0 += 2) {
-                const int two = q0 + 1 < P->off[ci + 1];
-                const int32_t* X0 = (const int32_t*)(P->x + (int64_t)q0 * c);
-                __m256i a[2], b[2];
-                if (CP == 32) i8i_dots(b0, X0, two ? X0 + CP : NULL, 32, a, b);  /* unrolled */
-                else i8i_dots(b0, X0, two ? X0 + CP : NULL, CP, a, b);
-                for (int h = 0; h < 1 + two; h++) {
-                    const __m256i* r = h ? b : a;
-                    const __m256 m = _mm256_set1_ps(P->mul[q0 + h]);
-                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[0]), m, t0);
-                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[1]), m, t1);
-                }
+            for (int q = P->off[ci]; q < P->off[ci + 1]; q++) {
+                const int32_t* X = (const int32_t*)(P->x + (int64_t)q * c);
+                __m256i a[2];
+                if (q > P->off[ci]) i8i_dots(b0, X, CP, 0, P->nz[q], a);
+                else if (CP == 32) i8i_dots(b0, X, 32, 1, 0, a);  /* unrolled */
+                else i8i_dots(b0, X, CP, 1, 0, a);
+                const __m256 m = _mm256_set1_ps(P->mul[q]);
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[0]), m, t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[1]), m, t1);
             }
         }
         __m256 s0, s1;

@@ -29,7 +29,7 @@ typedef struct q4planes {
     int32_t* corr; /* [plane] 8 * sum m' (the offset-binary 8 of u - 8, folded in exactly) */
     float* mul;    /* [plane] 2^B */
     int* off;      /* [K / chunk + 1]: chunk ci's planes are off[ci] .. off[ci + 1] - 1 */
-    uint32_t* nz;  /* [plane] bit i: columns 4i .. 4i + 3 of the chunk hold a value of this plane */
+    uint32_t* nz;  /* [plane] bit i: columns unit i .. unit (i + 1) - 1 of the chunk hold a value of this plane */
     int64_t chunk; /* columns per chunk of planes (4-bit: the group; int8: eq_i8planes.h) */
 } q4planes_t;
 
@@ -81,8 +81,9 @@ static int eqp_next(eqp_scan_t* S, int32_t v[64], float* mul) {
 
 /* The planes of x[0 .. K) in chunks of c columns: chunk ci's planes are P->off[ci] ..
    P->off[ci + 1] - 1, each laid out by lay() in `stride` int16 (corr = 8 * sum m', the 4-bit
-   offset's term). 1 when every activation fits a plane, 0 otherwise (P freed). */
-static int planes_build(const float* x, int64_t K, int64_t c, int64_t stride,
+   offset's term; nz per `unit` columns, c / unit <= 32). 1 when every activation fits a plane,
+   0 otherwise (P freed). */
+static int planes_build(const float* x, int64_t K, int64_t c, int64_t stride, int64_t unit,
                         void (*lay)(int16_t* xp, const int32_t* v, int64_t c), q4planes_t* P) {
     const int64_t NC = K / c;  /* at most one plane per column */
     memset(P, 0, sizeof *P);
@@ -102,7 +103,7 @@ static int planes_build(const float* x, int64_t K, int64_t c, int64_t stride,
         while (eqp_next(&S, v, &P->mul[np])) {
             int32_t sum = 0;
             uint32_t nz = 0;
-            for (int64_t k = 0; k < c; k++) { sum += v[k]; if (v[k]) nz |= 1u << (k / 4); }
+            for (int64_t k = 0; k < c; k++) { sum += v[k]; if (v[k]) nz |= 1u << (k / unit); }
             P->nz[np] = nz;
             lay(P->x + (int64_t)np * stride, v, c);
             P->corr[np++] = 8 * sum;
@@ -135,7 +136,7 @@ static int q4planes_build(const float* x, int64_t K, int64_t g, q4planes_t* P) {
     /* g <= 64: |sum m' (u - 8)| <= 64 * 2^15 * 8 < 2^24; g % 8 (every stored group, format/scheme.py):
        the zmm pass takes two steps of 4 columns at a time */
     if (g % 8 || g > 64) return 0;
-    return planes_build(x, K, g, Q4P_STRIDE(g), q4_lay, P);
+    return planes_build(x, K, g, Q4P_STRIDE(g), 4, q4_lay, P);
 }
 
 /* acc + (the pair sums of c * x): one vpdpwssd with VNNI (the avx2vnni build: Xeon with AMX,
