@@ -108,19 +108,21 @@ class Layout:
         """A kernel's own gather of rows ``ids`` (any shape), or None: the reference gather."""
         return None
 
+    def held(self) -> dict[str, torch.Tensor]:
+        """The tensors this layout holds, by attribute (those set: a symmetric table has no
+        zero points)."""
+        return {n: t for n in self.holds if (t := getattr(self, n)) is not None}
+
     @property
     def nbytes(self) -> int:
-        ts = (getattr(self, n) for n in self.holds)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.held().values())
 
     def move_(self, fn) -> None:
         """Apply ``fn`` (``Module._apply``'s) to the held tensors; codes and scales keep
         their dtype (a cast would change the table)."""
-        for n in self.holds:
-            t = getattr(self, n)
-            if t is not None:
-                setattr(self, n, fn(t).to(t.dtype))
-        self.spec.device = next(getattr(self, n) for n in self.holds if getattr(self, n) is not None).device
+        for n, t in self.held().items():
+            setattr(self, n, fn(t).to(t.dtype))
+        self.spec.device = next(iter(self.held().values())).device
 
 
 # -- the reference arithmetic over any layout -----------------------------------------------
