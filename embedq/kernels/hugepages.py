@@ -94,7 +94,7 @@ def huge_empty(shape, dtype: torch.dtype, *, table: bool = False) -> torch.Tenso
     from the pool above (its contents are whatever the last output there held: the kernels
     write every element). Such tensors are not resizable. Where madvise fails the pages stay
     4 KiB: huge pages change speed only, never contents."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel() * dtype.itemsize
     if n < HUGE_MIN_BYTES or (not table and n < HUGE_MIN_OUTPUT) or not sys.platform.startswith("linux"):
         return torch.empty(shape, dtype=dtype)
     if not table:
