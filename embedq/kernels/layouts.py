@@ -239,6 +239,12 @@ class Native(Layout):
         return (native_head.codes(self.w, sp.bits, ids, sp.cols), native_head.group_params(self.s, ids),
                 None if self.z is None else native_head.group_params(self.z, ids))
 
+    def gather(self, ids, dtype):
+        if ids.device.type != "cpu":
+            return None
+        sp = self.spec
+        return native_f32.gather(self.w, self.s, self.z, sp.bits, self.SPAN, sp.rows, sp.cols, sp.group, ids, dtype)
+
     def rows_range(self, a, b):
         B = native_head.BLOCK
         a0, b0 = a // B * B, -(-b // B) * B  # whole blocks

@@ -43,6 +43,8 @@ def _setup(lib) -> None:
     lib.head_f32_planes.restype = Fi
     lib.head_q4a8.argtypes = [P, P, Fi, P, I, I, I, P, I, P, Fi, I, Fi]
     lib.head_q4a8.restype = Fi
+    lib.gather_rows.argtypes = [P, P, Fi, P, Fi, Fi, I, I, I, P, I, P, Fi, Fi]
+    lib.gather_rows.restype = Fi
 
 
 def _source() -> str:
@@ -111,6 +113,26 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
     return out
 
 
+def gather(w, s, z, bits: int, span: int, rows: int, cols: int, group: int, ids: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor | None:
+    """Rows ``ids`` (any shape) as [..., cols] ``dtype``, the reference's bits (``gather_rows``
+    of the portable build: plain C, any CPU); None where that build is unavailable or
+    ``dtype`` is not bf16/f16/f32 (the caller then takes the reference gather)."""
+    so = VARIANTS["portable"].get()
+    if so is None or dtype not in _OUT_KIND:
+        return None
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.numel(), cols), dtype=dtype)
+    rc = so.gather_rows(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(), bits,
+                        span, rows, cols, group, flat.data_ptr(), flat.numel(), out.data_ptr(), _OUT_KIND[dtype],
+                        torch.get_num_threads())
+    if rc == 3:
+        raise IndexError(f"token id out of range for a table of {rows} rows")
+    if rc:
+        raise RuntimeError(f"{VARIANTS['portable'].label} gather failed ({rc})")
+    return out.view(*ids.shape, cols)
+
+
 def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor | None:
     """Like :func:`head` for a 4-bit table, with ``x`` quantized to int8 per row and block of
     32 columns (:mod:`embedq.kernels.actquant`; ``EMBEDQ_ACTIVATIONS=int8``). None when ``x``
@@ -131,4 +153,4 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     return out
 
 
-__all__ = ["A8_VARIANTS", "Q4D_VARIANTS", "SOURCE", "VARIANTS", "head", "head_a8"]
+__all__ = ["A8_VARIANTS", "Q4D_VARIANTS", "SOURCE", "VARIANTS", "gather", "head", "head_a8"]

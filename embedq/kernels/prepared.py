@@ -217,6 +217,9 @@ class PreparedTable:
         if out is not None:
             return out
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
+            # as nn.Embedding (a padded layout would hand back a padding row; -1 a wrapped one)
+            raise IndexError(f"token id out of range for a table of {self.rows} rows")
         out = torch.empty(flat.numel(), self.cols, dtype=dtype, device=self.device)
         step = max(1, layouts.CHUNK_ELEMS // self.cols)
         for a in range(0, flat.numel(), step):  # bounded transient (int4 index tensors)

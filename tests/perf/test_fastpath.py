@@ -154,7 +154,13 @@ def test_fast_path_matches_reference(bits, group, sym, shape, serve, monkeypatch
         assert got.shape == (2, 3, qt.cols)
         assert torch.equal(got, qt.dequantize(dt, rows=ids.reshape(-1)).view(2, 3, -1))
     every = torch.arange(qt.rows)
-    assert torch.equal(p.embedding(every, F32), qt.dequantize(F32))
+    for dt in (BF, F16, F32):
+        assert torch.equal(p.embedding(every, dt), qt.dequantize(dt))
+    if serve == "native":  # the C gather (gather_rows) served those, not the torch reference
+        assert p.layout.gather(ids, BF) is not None
+    for bad in (qt.rows, -1):  # as nn.Embedding: an error, not a padding or a wrapped row
+        with pytest.raises(IndexError):
+            p.embedding(torch.tensor([bad]), F32)
     for dt in (BF, F16, F32):  # the block decoder of the chunked logits, incl. its 16-bit shortcut
         assert torch.equal(p.dequantize_range(0, qt.rows, dt), qt.dequantize(dt))
         assert torch.equal(p.dequantize_range(65, 130, dt), qt.dequantize(dt, rows=slice(65, 130)))
