@@ -239,11 +239,18 @@ class Native(Layout):
         return (native_head.codes(self.w, sp.bits, ids, sp.cols), native_head.group_params(self.s, ids),
                 None if self.z is None else native_head.group_params(self.z, ids))
 
+    _gather_so = None  # the build serving gathers, chosen at the first (as the head's rows at load)
+
     def gather(self, ids, dtype):
         if ids.device.type != "cpu":
             return None
+        if self._gather_so is None:
+            self._gather_so = native_f32.gather_library() or False
+        if not self._gather_so:
+            return None
         sp = self.spec
-        return native_f32.gather(self.w, self.s, self.z, sp.bits, self.SPAN, sp.rows, sp.cols, sp.group, ids, dtype)
+        return native_f32.gather(self._gather_so, self.w, self.s, self.z, sp.bits, self.SPAN, sp.rows, sp.cols,
+                                 sp.group, ids, dtype)
 
     def rows_range(self, a, b):
         B = native_head.BLOCK

@@ -113,13 +113,18 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
     return out
 
 
-def gather(w, s, z, bits: int, span: int, rows: int, cols: int, group: int, ids: torch.Tensor,
+def gather_library() -> ctypes.CDLL | None:
+    """The build whose ``gather_rows`` (plain C in every build) serves gathers: the first that
+    runs here — the one the head has loaded, not a build of its own; None where none runs."""
+    return next((lib for v in VARIANTS.values() if (lib := v.get()) is not None), None)
+
+
+def gather(so: ctypes.CDLL, w, s, z, bits: int, span: int, rows: int, cols: int, group: int, ids: torch.Tensor,
            dtype: torch.dtype) -> torch.Tensor | None:
-    """Rows ``ids`` (any shape) as [..., cols] ``dtype``, the reference's bits (``gather_rows``
-    of the portable build: plain C, any CPU); None where that build is unavailable or
-    ``dtype`` is not bf16/f16/f32 (the caller then takes the reference gather)."""
-    so = VARIANTS["portable"].get()
-    if so is None or dtype not in _OUT_KIND:
+    """Rows ``ids`` (any shape) as [..., cols] ``dtype`` by ``so``'s ``gather_rows``, the
+    reference's bits; None where ``dtype`` is not bf16/f16/f32 (the caller then takes the
+    reference gather)."""
+    if dtype not in _OUT_KIND:
         return None
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty((flat.numel(), cols), dtype=dtype)
@@ -129,7 +134,7 @@ def gather(w, s, z, bits: int, span: int, rows: int, cols: int, group: int, ids:
     if rc == 3:
         raise IndexError(f"token id out of range for a table of {rows} rows")
     if rc:
-        raise RuntimeError(f"{VARIANTS['portable'].label} gather failed ({rc})")
+        raise RuntimeError(f"native gather failed ({rc}: out of memory)")
     return out.view(*ids.shape, cols)
 
 
@@ -153,4 +158,4 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     return out
 
 
-__all__ = ["A8_VARIANTS", "Q4D_VARIANTS", "SOURCE", "VARIANTS", "gather", "head", "head_a8"]
+__all__ = ["A8_VARIANTS", "Q4D_VARIANTS", "SOURCE", "VARIANTS", "gather", "gather_library", "head", "head_a8"]
