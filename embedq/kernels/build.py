@@ -233,6 +233,12 @@ class LazyLibrary:
                     self._lib = False
             return self._lib or None
 
+    def loaded(self) -> ctypes.CDLL | None:
+        """The library once :meth:`get` has loaded it, without the CPU checks (a kernel's per-call
+        path: its row was chosen at load; ``platform.machine()`` and the feature list cost ~80 us
+        a decode step with the caches cold), else :meth:`get`."""
+        return self._lib or self.get()
+
     def unavailable(self) -> str | None:
         """None when the library runs here, else why not (one line)."""
         why = self._refused()

@@ -3,6 +3,7 @@
 #ifndef EQ_CONVERT_H
 #define EQ_CONVERT_H
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The kernels' code stream read 4 KiB ahead: on an Intel Xeon (Sapphire Rapids class) the
@@ -54,6 +55,22 @@ static inline float eq_x_at(const void* x, int kind, int64_t i) {
     if (kind == 0) return ((const float*)x)[i];
     const uint16_t h = ((const uint16_t*)x)[i];
     return kind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* x[0 .. n) as float32: x itself (kind 0), else a converted copy in *buf (bf16 / float16: exact)
+   that the caller frees. The C kernels take activations in their own dtype: a torch cast before
+   the call cost ~60 us per decode step with the caches cold (the body streamed through them).
+   NULL: out of memory. */
+static inline const float* eq_x_f32(const void* x, int kind, int64_t n, float** buf) {
+    *buf = NULL;
+    if (kind == 0) return (const float*)x;
+    float* b = malloc(sizeof(float) * (n ? n : 1));
+    if (!b) return NULL;
+    const uint16_t* h = (const uint16_t*)x;
+    if (kind == 1) for (int64_t i = 0; i < n; i++) b[i] = bf16_to_f32(h[i]);
+    else for (int64_t i = 0; i < n; i++) b[i] = f16_to_f32(h[i]);
+    *buf = b;
+    return b;
 }
 
 /* Per-group sums of the activations, xs[m][K/g] = sum of x[m][gi*g .. gi*g+g) in float32,

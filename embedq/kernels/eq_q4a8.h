@@ -404,12 +404,15 @@ static void* a8_run(void* arg) {
 enum { A8MC = 256 };
 
 int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
-              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+              const void* x0, int xkind, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
     const int64_t NB = (V + RB - 1) / RB, KB = K / A8B, G = K / g, MC = M < A8MC ? M : A8MC;
     const size_t osz = okind == 0 ? 4 : 2;
     if (g % A8B || K % g) return 2;
+    float* xbuf;
+    const float* x = eq_x_f32(x0, xkind, M * K, &xbuf);  /* (x as head_f32 takes it) */
+    if (!x) return 1;
     for (int64_t m = 0; m < M * K; m++)  /* all rows checked before any output is written */
-        if (!(x[m] <= 3.4028234663852886e38f && x[m] >= -3.4028234663852886e38f)) return 3;
+        if (!(x[m] <= 3.4028234663852886e38f && x[m] >= -3.4028234663852886e38f)) { free(xbuf); return 3; }
     int8_t* q = malloc((size_t)MC * K);
     int8_t* xr = malloc((size_t)MC * K * 8);
     float* d = malloc(sizeof(float) * MC * KB);
@@ -444,6 +447,6 @@ int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64
         rc = eq_fanout(a8_run, jobs, sizeof(a8job_t), nthreads);
     }
 done:
-    free(q); free(xr); free(d); free(corr); free(xs); free(xt);
+    free(q); free(xr); free(d); free(corr); free(xs); free(xt); free(xbuf);
     return rc;
 }

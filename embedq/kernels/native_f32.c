@@ -366,18 +366,22 @@ static void* run(void* arg) {
     return NULL;
 }
 
-/* logits[M, V] (dtype okind, row stride ldo) = x[M, K] (float32) @ dequant(W)^T. 0 on success. */
+/* logits[M, V] (dtype okind, row stride ldo) = x[M, K] (dtype xkind: 0 float32, 1 bf16, 2 float16;
+   converted once, exactly) @ dequant(W)^T. 0 on success. */
 int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
-             int64_t g, const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+             int64_t g, const void* x0, int xkind, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
     const int64_t NB = (V + RB - 1) / RB;
     if (K % 2 || g % 2 || K % g || (EQ_Q4DW && bits == 4 && g % 8)) return 2;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > (NB + SB - 1) / SB) nthreads = (int)((NB + SB - 1) / SB);
     if (nthreads > EQ_MAX_THREADS) nthreads = EQ_MAX_THREADS;
+    float* xbuf;
+    const float* x = eq_x_f32(x0, xkind, M * K, &xbuf);
+    if (!x) return 1;
     float* xs = NULL;  /* per-group sums of x: the zero-point term of the direct path */
     if (z && M <= pass_m(bits)) {
         xs = malloc(sizeof(float) * M * (K / g));
-        if (!xs) return 1;
+        if (!xs) { free(xbuf); return 1; }
         eq_group_sums(x, 0, M, K, g, xs);
     }
 #if EQ_Q4PLANES
@@ -398,6 +402,7 @@ int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bi
     if (planes) q4planes_free(&P);
 #endif
     free(xs);
+    free(xbuf);
     return rc;
 }
 
@@ -483,8 +488,8 @@ int gather_rows(const uint8_t* w, const void* s, int skind, const int8_t* z, int
 
 #if EQ_Q4DW  /* the int8-activation rows read the pair layout (layouts.Native) only */
 int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
-              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
-    (void)w; (void)s; (void)skind; (void)z; (void)V; (void)K; (void)g; (void)x; (void)M; (void)out;
+              const void* x, int xkind, int64_t M, void* out, int okind, int64_t ldo, int nthreads) {
+    (void)w; (void)s; (void)skind; (void)z; (void)V; (void)K; (void)g; (void)x; (void)xkind; (void)M; (void)out;
     (void)okind; (void)ldo; (void)nthreads;
     return 2;
 }

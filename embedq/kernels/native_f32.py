@@ -37,11 +37,11 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _setup(lib) -> None:
     P, I, Fi = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.head_f32.argtypes = [P, P, Fi, P, Fi, I, I, I, P, I, P, Fi, I, Fi]
+    lib.head_f32.argtypes = [P, P, Fi, P, Fi, I, I, I, P, Fi, I, P, Fi, I, Fi]
     lib.head_f32.restype = Fi
     lib.head_f32_planes.argtypes = [P, I, I, Fi]
     lib.head_f32_planes.restype = Fi
-    lib.head_q4a8.argtypes = [P, P, Fi, P, I, I, I, P, I, P, Fi, I, Fi]
+    lib.head_q4a8.argtypes = [P, P, Fi, P, I, I, I, P, Fi, I, P, Fi, I, Fi]
     lib.head_q4a8.restype = Fi
     lib.gather_rows.argtypes = [P, P, Fi, P, Fi, Fi, I, I, I, P, I, P, Fi, Fi]
     lib.gather_rows.restype = Fi
@@ -97,16 +97,20 @@ def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
          x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32), by the
     build ``lib`` (one of :data:`VARIANTS`)."""
-    so = lib.get()
+    so = lib.loaded()
     if so is None:
         raise RuntimeError(lib.unavailable())
-    xf = x.to(torch.float32).contiguous()  # exact from bf16 / f16: once per call
-    M = xf.shape[0]
+    # x in its own dtype: the C entry converts it (exactly) where a torch cast, with the caches
+    # cold, cost ~60 us a decode step
+    xk = _OUT_KIND[x.dtype]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    M = x.shape[0]
     # from 32 MiB, the output pool's pages (hugepages.py): AMD EPYC Zen 4, synthetic Gemma head,
     # interleaved, M = 256 Q4 g32 / int8 g64 0.87-0.93x (AVX2 build) and 0.86-0.94x (AVX-512F)
     out = huge_empty((M, rows), x.dtype)
     rc = so.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                     bits, rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
+                     bits, rows, cols, group, x.data_ptr(), xk, M, out.data_ptr(), xk, rows,
                      torch.get_num_threads())
     if rc:
         raise RuntimeError(f"{lib.label} failed ({rc}: out of memory or bad shape)")
@@ -142,14 +146,16 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     """Like :func:`head` for a 4-bit table, with ``x`` quantized to int8 per row and block of
     32 columns (:mod:`embedq.kernels.actquant`; ``EMBEDQ_ACTIVATIONS=int8``). None when ``x``
     holds inf or NaN (the caller runs the exact kernel)."""
-    so = lib.get()
+    so = lib.loaded()
     if so is None:
         raise RuntimeError(lib.unavailable())
-    xf = x.to(torch.float32).contiguous()
-    M = xf.shape[0]
+    xk = _OUT_KIND[x.dtype]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    M = x.shape[0]
     out = huge_empty((M, rows), x.dtype)
     rc = so.head_q4a8(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                      rows, cols, group, xf.data_ptr(), M, out.data_ptr(), _OUT_KIND[x.dtype], rows,
+                      rows, cols, group, x.data_ptr(), xk, M, out.data_ptr(), xk, rows,
                       torch.get_num_threads())
     if rc == 3:
         return None

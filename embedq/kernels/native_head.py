@@ -163,8 +163,9 @@ def group_params(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] bf16 @ dequant(W)^T`` -> [M, rows] bf16."""
-    lib = LIB.get()
-    x = x.contiguous()
+    lib = LIB.loaded()
+    if not x.is_contiguous():
+        x = x.contiguous()
     M = x.shape[0]
     # 2 MiB pages from the output pool (hugepages.py): AMD EPYC Zen 4, synthetic Gemma head
     # int8 g64 M = 256: 271.8 ms in fresh 4 KiB pages, 223.6 in reused or 2 MiB ones
@@ -178,8 +179,9 @@ def head(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) 
 def head_amx(w, s, z, bits: int, rows: int, cols: int, group: int, x: torch.Tensor) -> torch.Tensor:
     """:func:`head` in AMX tiles for bf16, float16 or float32 ``x`` (output in its dtype;
     ``cols`` and ``group`` multiples of 32)."""
-    lib = AMX_LIB.get()
-    x = x.contiguous()
+    lib = AMX_LIB.loaded()
+    if not x.is_contiguous():
+        x = x.contiguous()
     M = x.shape[0]
     out = huge_empty((M, rows), x.dtype)  # faults: M = 256 Q4 g32 96.5 -> 79.0 ms (hugepages.py)
     rc = lib.head_amx(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),

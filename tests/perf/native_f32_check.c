@@ -23,9 +23,9 @@
 #include <string.h>
 
 int head_f32(const uint8_t* w, const void* s, int skind, const int8_t* z, int bits, int64_t V, int64_t K,
-             int64_t g, const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
+             int64_t g, const void* x, int xkind, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
 int head_q4a8(const uint8_t* w, const void* s, int skind, const int8_t* z, int64_t V, int64_t K, int64_t g,
-              const float* x, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
+              const void* x, int xkind, int64_t M, void* out, int okind, int64_t ldo, int nthreads);
 
 /* int8 activations (the opt-in, eq_q4a8.h), written independently: per row and block of 32,
    d = amax / 127, q = rint(x * (127 / amax)) (round half to even), into x itself as q * d */
@@ -103,8 +103,8 @@ static int check(int bits, int64_t g0, int asym, int skind, int64_t V, int64_t K
         }
     for (int64_t i = 0; i < M * K; i++) x[i] = frand();
     const void* sp = skind == 0 ? (const void*)s32 : (const void*)s16;
-    if (a8 ? head_q4a8(w, sp, skind, zb, V, K, g, x, M, out, okind, V, 2)
-           : head_f32(w, sp, skind, zb, bits, V, K, g, x, M, out, okind, V, 2)) { printf("kernel error\n"); return 1; }
+    if (a8 ? head_q4a8(w, sp, skind, zb, V, K, g, x, 0, M, out, okind, V, 2)
+           : head_f32(w, sp, skind, zb, bits, V, K, g, x, 0, M, out, okind, V, 2)) { printf("kernel error\n"); return 1; }
     if (a8) round_activations(x, M * K);  /* the reference multiplies what the kernel rounded */
     for (int64_t m = 0; m < M; m++)
         for (int64_t r = 0; r < V; r++) {

@@ -338,6 +338,20 @@ def test_misaligned_activations(serve, monkeypatch):
     _check_linear(p, qt, x, _wabs(qt))
 
 
+@pytest.mark.parametrize("dt", [BF, torch.float16, F32])
+@pytest.mark.parametrize("m", [1, 3])
+def test_strided_activations_every_dtype(dt, m):
+    """The C kernels take x in its own dtype (converted in C): a strided view (every other
+    column) and each dtype give the reference's logits at the bound, in x's dtype."""
+    qt = _table(4, 32, True, 1000, 256)
+    p = PreparedTable.from_table(qt)
+    x = torch.randn(m, 512).to(dt)[:, ::2]
+    assert not x.is_contiguous()
+    out = p.linear(x)
+    assert out.dtype == dt and p.last_kernel.startswith("native")
+    _check_linear(p, qt, x, _wabs(qt))
+
+
 def test_bias_and_empty_batch():
     qt = _table(8, 32, True, 1000, 256)
     p = PreparedTable.from_table(qt)
