@@ -352,6 +352,20 @@ def test_strided_activations_every_dtype(dt, m):
     _check_linear(p, qt, x, _wabs(qt))
 
 
+def test_gather_ids_any_shape_dtype_and_stride():
+    """The C gather takes ids as they come: int32 or int64, strided, 0-d, empty; the rows
+    equal the reference's, in the ids' shape."""
+    qt = _table(4, 32, True, 1000, 256)
+    p = PreparedTable.from_table(qt)
+    ref = qt.dequantize(BF)
+    ids = torch.tensor([[5, 999, 0, 17], [3, 3, 998, 1]], dtype=torch.int32)[:, ::2]
+    assert not ids.is_contiguous()
+    for i in (ids, ids.long(), torch.tensor(7), torch.empty(0, 3, dtype=torch.long)):
+        got = p.embedding(i, BF)
+        assert got.shape == (*i.shape, 256) and torch.equal(got, ref[i.long()])
+    assert p.layout._gather_so
+
+
 def test_bias_and_empty_batch():
     qt = _table(8, 32, True, 1000, 256)
     p = PreparedTable.from_table(qt)
