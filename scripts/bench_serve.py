@@ -515,17 +515,22 @@ def gemma_models(workdir: Path, names=None) -> dict[str, Path]:
 
 def summarize(section: str, label: str, times: dict[str, list[float]], work: float,
               loads: list[str], extra: dict) -> list[dict]:
-    """Print medians (tokens/s = work / time) and ratios to ``float``."""
+    """Print medians (tokens/s = work / time) and ratios to ``float``: of the medians, and
+    paired (per round, the float run's time over the model's: :func:`paired_ratio`, the
+    models of a round run back to back, so a slow minute of the host hits them alike)."""
     base = work / statistics.median(times["float"])
     print(f"-- {section} {label}: median of {len(times['float'])}; load avg per round: "
           f"{'; '.join(loads)}; steal {extra.get('steal_pct', 0.0):.1f} %")
     rows = []
     for k, ts in times.items():
         tps = work / statistics.median(ts)
+        pr, q1, q3 = paired_ratio(times["float"], ts)
         print(f"   {k:8s} {tps:8.1f} tok/s  {tps / base:5.2f}x float   "
-              f"(min {work / max(ts):.1f}, max {work / min(ts):.1f}, n={len(ts)})", flush=True)
+              f"(min {work / max(ts):.1f}, max {work / min(ts):.1f}, n={len(ts)}; paired {pr:.2f}x "
+              f"[{q1:.2f}-{q3:.2f}])", flush=True)
         rows.append(dict(section=section, label=label, model=k, tokens_per_s=tps,
-                         ratio_vs_float=tps / base, n=len(ts), loadavg=loads, **extra))
+                         ratio_vs_float=tps / base, ratio_paired=pr, ratio_paired_q1=q1, ratio_paired_q3=q3,
+                         n=len(ts), loadavg=loads, **extra))
     return rows
 
 
