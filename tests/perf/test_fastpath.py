@@ -352,6 +352,23 @@ def test_strided_activations_every_dtype(dt, m):
     _check_linear(p, qt, x, _wabs(qt))
 
 
+def test_route_remembered_until_the_rows_change():
+    """The row a call shape took is remembered (no walk of the rows per decode step) and
+    forgotten when the table's rows change (here: int8 activations switched on and off)."""
+    qt = _table(4, 32, True, 1000, 256)
+    p = PreparedTable.from_table(qt)
+    x = torch.randn(1, 256, dtype=BF)
+    exact = p.linear(x)
+    first = p.last_kernel
+    assert p._routes_seen
+    p.use_activations("int8")
+    assert not p._routes_seen
+    p.linear(x)
+    assert p.last_kernel.endswith("_a8")
+    p.use_activations("exact")
+    assert torch.equal(p.linear(x), exact) and p.last_kernel == first
+
+
 def test_gather_ids_any_shape_dtype_and_stride():
     """The C gather takes ids as they come: int32 or int64, strided, 0-d, empty; the rows
     equal the reference's, in the ids' shape."""
