@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
                                     help="Patched model to write (a folder for a genai folder)"),
         external_data: Optional[bool] = typer.Option(
             None, "--external-data/--no-external-data",
-            help="Weights in OUTPUT.data (default: as the input, or when over 2 GB)"),
+            help="Weights in OUTPUT.data (default: as the input, or from ~1.8 GB, 0.9 of protobuf's 2 GB limit)"),
         accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help=_ACCURACY_HELP),
         execution_provider: Optional[str] = typer.Option(
             None, "--execution-provider", help="cpu, cuda, webgpu, ... (picks the default "
@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
                                       help="Run onnxscript's graph optimizer (slower export)"),
         external_data: Optional[bool] = typer.Option(
             None, "--external-data/--no-external-data",
-            help="Weights in OUTPUT.data (default: only when over 2 GB)"),
+            help="Weights in OUTPUT.data (default: only from ~1.8 GB, 0.9 of protobuf's 2 GB limit)"),
         accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help=_ACCURACY_HELP),
         max_tensor_bytes: Optional[str] = typer.Option(None, "--max-tensor-bytes", metavar="SIZE",
                                                        help=_SIZE_HELP),
