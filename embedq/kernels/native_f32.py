@@ -93,24 +93,27 @@ Q4D_VARIANTS: dict[str, LazyLibrary] = {
 }
 
 
+def _call(lib: LazyLibrary, x: torch.Tensor, rows: int):
+    """What both head entries take per call: the loaded build, x contiguous in its own dtype and
+    that dtype's code (the C entry converts it, exactly, where a torch cast cost ~60 us a decode
+    step with the caches cold), and the output [M, rows] in x's dtype."""
+    so = lib.loaded()
+    if so is None:
+        raise RuntimeError(lib.unavailable())
+    if not x.is_contiguous():
+        x = x.contiguous()
+    # from 32 MiB, the output pool's pages (hugepages.py): AMD EPYC Zen 4, synthetic Gemma head,
+    # interleaved, M = 256 Q4 g32 / int8 g64 0.87-0.93x (AVX2 build) and 0.86-0.94x (AVX-512F)
+    return so, x, _OUT_KIND[x.dtype], huge_empty((x.shape[0], rows), x.dtype)
+
+
 def head(lib: LazyLibrary, w, s, z, bits: int, rows: int, cols: int, group: int,
          x: torch.Tensor) -> torch.Tensor:
     """``x [M, cols] @ dequant(W)^T`` -> [M, rows] in x's dtype (bf16, f16 or f32), by the
     build ``lib`` (one of :data:`VARIANTS`)."""
-    so = lib.loaded()
-    if so is None:
-        raise RuntimeError(lib.unavailable())
-    # x in its own dtype: the C entry converts it (exactly) where a torch cast, with the caches
-    # cold, cost ~60 us a decode step
-    xk = _OUT_KIND[x.dtype]
-    if not x.is_contiguous():
-        x = x.contiguous()
-    M = x.shape[0]
-    # from 32 MiB, the output pool's pages (hugepages.py): AMD EPYC Zen 4, synthetic Gemma head,
-    # interleaved, M = 256 Q4 g32 / int8 g64 0.87-0.93x (AVX2 build) and 0.86-0.94x (AVX-512F)
-    out = huge_empty((M, rows), x.dtype)
+    so, x, xk, out = _call(lib, x, rows)
     rc = so.head_f32(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                     bits, rows, cols, group, x.data_ptr(), xk, M, out.data_ptr(), xk, rows,
+                     bits, rows, cols, group, x.data_ptr(), xk, x.shape[0], out.data_ptr(), xk, rows,
                      torch.get_num_threads())
     if rc:
         raise RuntimeError(f"{lib.label} failed ({rc}: out of memory or bad shape)")
@@ -153,16 +156,9 @@ def head_a8(lib: LazyLibrary, w, s, z, rows: int, cols: int, group: int, x: torc
     """Like :func:`head` for a 4-bit table, with ``x`` quantized to int8 per row and block of
     32 columns (:mod:`embedq.kernels.actquant`; ``EMBEDQ_ACTIVATIONS=int8``). None when ``x``
     holds inf or NaN (the caller runs the exact kernel)."""
-    so = lib.loaded()
-    if so is None:
-        raise RuntimeError(lib.unavailable())
-    xk = _OUT_KIND[x.dtype]
-    if not x.is_contiguous():
-        x = x.contiguous()
-    M = x.shape[0]
-    out = huge_empty((M, rows), x.dtype)
+    so, x, xk, out = _call(lib, x, rows)
     rc = so.head_q4a8(w.data_ptr(), s.data_ptr(), SCALE_KIND[s.dtype], None if z is None else z.data_ptr(),
-                      rows, cols, group, x.data_ptr(), xk, M, out.data_ptr(), xk, rows,
+                      rows, cols, group, x.data_ptr(), xk, x.shape[0], out.data_ptr(), xk, rows,
                       torch.get_num_threads())
     if rc == 3:
         return None
