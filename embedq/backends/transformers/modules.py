@@ -196,6 +196,7 @@ class QuantizedEmbedding(nn.Module):
         self.embed_scale_spec = embed_scale
         if embed_scale is not None:
             self.scalar_embed_scale = embed_scale[1]
+        self._scale_cache: dict = {}
         self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
     @property
@@ -209,10 +210,19 @@ class QuantizedEmbedding(nn.Module):
         if spec is not None:
             kind, value = spec
             if kind == "tensor":
-                out = out * torch.tensor(value, dtype=torch.float32, device=out.device).to(dtype)
+                out = out * self._scale_tensor(value, dtype, out.device)
             else:
                 out = out * value
         return out
+
+    def _scale_tensor(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``embed_scale.to(dtype)`` as the original computes it (a float32 value rounded to
+        ``dtype``), made once per dtype and device: two torch ops fewer per decode step."""
+        key = (dtype, device)
+        t = self._scale_cache.get(key)
+        if t is None:
+            t = self._scale_cache[key] = torch.tensor(value, dtype=torch.float32, device=device).to(dtype)
+        return t
 
     def extra_repr(self) -> str:
         es = "" if self.embed_scale_spec is None else f", embed_scale={self.embed_scale_spec[1]:g}"
