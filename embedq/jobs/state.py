@@ -251,24 +251,63 @@ def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
 
 def _restore(path: Path, backup: dict[str, bytes], links: dict[str, str] | None = None) -> None:
     links = links or {}
-    for name, data in backup.items():
+    for name, data in backup.items():  # if this fails the backup stays: it is still needed
         if name not in BACKED_UP:  # read_backup never yields another name; belt and braces
             raise OverlayError(f"{path / STATE_DIR}: refusing to restore {name!r}")
         _restore_one(path, name, data, links.get(name))
+    try:  # config.json is the original again: whatever happens now, no state is left behind
+        for name in (OVERLAY_NAME, QCONFIG_NAME):
+            if _ours(path, name):
+                (path / name).unlink(missing_ok=True)
+    finally:
+        d = path / STATE_DIR
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+        cleanup_partials(path)
+
+
+def _ours(path: Path, name: str) -> bool:
+    """Whether ``path/name`` (the overlay or its config) is a file embedq may delete: a
+    regular file or link, and for ``quantization_config.json`` one whose quant_method is
+    embedq's (another tool's file of that name is never touched)."""
+    p = path / name
+    if not p.is_symlink() and not p.is_file():
+        return False  # absent, or a folder someone else made
+    if name != QCONFIG_NAME:
+        return True
+    try:  # read only inside the folder (a HF snapshot's link to its blob is fine)
+        if not stays_inside(path, p) or not p.is_file() or p.stat().st_size > MAX_BACKUP_BYTES:
+            return False
+        qc = _json(p.read_bytes())
+    except OSError:
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def check_slots(path: Path) -> None:
+    """Refuse, before anything is written, a folder whose ``embedq.safetensors`` or
+    ``quantization_config.json`` is not embedq's to replace: a folder, a link out of the
+    model folder, or (the config) another tool's file, which an overlay would destroy."""
     for name in (OVERLAY_NAME, QCONFIG_NAME):
-        try:
-            (path / name).unlink()
-        except FileNotFoundError:
-            pass
-    d = path / STATE_DIR
-    if d.is_dir() and not d.is_symlink():
-        shutil.rmtree(d, ignore_errors=True)
-    cleanup_partials(path)
+        p = path / name
+        if not p.is_symlink() and not p.exists():
+            continue
+        if p.is_symlink() and not stays_inside(path, p):
+            problem = "a link out of the folder"
+        elif not p.is_file():
+            problem = "not a regular file (a folder?)"
+        elif name == QCONFIG_NAME and not _ours(path, name):
+            problem = "not embedq's (no quant_method \"embedq\"); an overlay would overwrite it"
+        else:
+            continue
+        raise OverlayError(f"{p}: {problem}; move it out of {path} first, or write a derived "
+                           "copy instead (embedq quantize --output DIR)")
 
 
 def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     """Make a finished overlay visible: the commit sequence of this module's docstring."""
     path = ckpt.path
+    check_slots(path)  # base_state checked; the folder may have changed while we streamed
     backup, _ = valid_backup(path)
     if backup is None:  # none, or a stale one (base_state warned): back up what is on disk now
         backup = write_backup(path)
@@ -374,12 +413,15 @@ def _remove(p: Path) -> list[str]:
         if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
             raise OverlayError(f"{p}: embedq-derived checkpoint (no original to restore); "
                                "delete the folder or use its source")
-        stray = [n for n in (OVERLAY_NAME, QCONFIG_NAME) if (p / n).exists()] + \
+        stray = [n for n in (OVERLAY_NAME, QCONFIG_NAME) if _ours(p, n)] + \
             [x.name for x in p.iterdir() if staging.leftover(x.name)]
         if not stray:
-            raise OverlayError(f"{p}: no embedq overlay to remove")
+            kept = f" ({QCONFIG_NAME} there is not embedq's; left alone)" \
+                if (p / QCONFIG_NAME).exists() or (p / QCONFIG_NAME).is_symlink() else ""
+            raise OverlayError(f"{p}: no embedq overlay to remove{kept}")
         for n in (OVERLAY_NAME, QCONFIG_NAME):
-            (p / n).unlink(missing_ok=True)
+            if n in stray:
+                (p / n).unlink(missing_ok=True)
         cleanup_partials(p)
         return stray
     restored = sorted(backup)
@@ -395,6 +437,8 @@ def base_state(ckpt: Checkpoint, force: bool = False, derived: bool = False,
     replaced and needs no ``force``. A stale backup (the files changed since) is
     ignored, with a line in ``warnings``; the next commit backs up the current files.
     """
+    if not derived:
+        check_slots(ckpt.path)
     qc = ckpt.existing_quantization_config()
     backup, stale = valid_backup(ckpt.path)
     if stale and warnings is not None:
