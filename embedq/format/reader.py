@@ -39,15 +39,24 @@ ITEMSIZE = {"I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4}
 
 
 def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
-    """The validated config of a folder: ``quantization_config.json``, else config.json's."""
+    """The validated config of a folder: ``quantization_config.json``, else config.json's;
+    when both exist they must agree."""
     p = Path(path)
+    parsed = None
     if (p / QCONFIG_NAME).exists() or (p / QCONFIG_NAME).is_symlink():
-        return read_config_file(inside(p, QCONFIG_NAME))
-    if (p / CONFIG_NAME).exists():
+        parsed = read_config_file(inside(p, QCONFIG_NAME))
+    if (p / CONFIG_NAME).exists():  # what loaders (embedq.load, from_pretrained) read
         cfg = read_json(inside(p, CONFIG_NAME), OverlayError, constants=True)
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
         if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
-            return parse_config(qc, f"{p / CONFIG_NAME} (quantization_config)")
+            in_config = parse_config(qc, f"{p / CONFIG_NAME} (quantization_config)")
+            if parsed is None:
+                return in_config
+            if in_config.to_dict() != parsed.to_dict():
+                raise OverlayError(f"{in_config.where}: differs from {QCONFIG_NAME}, and loaders read "
+                                   "this one; re-create the folder with embedq (quantize --output, or apply)")
+    if parsed is not None:
+        return parsed
     raise OverlayError(f"{p}: no embedq overlay (no {QCONFIG_NAME})")
 
 
