@@ -198,10 +198,10 @@ def _parse(m, p: Path, size: int) -> GGUFFile:
         key = c.string()
         vtype = c.u32()
         if key == "general.alignment" and vtype == _UINT32:
-            alignment = struct.unpack_from("<I", m, c.pos)[0]
-        if key == "split.count" and vtype == _UINT16:
-            split = struct.unpack_from("<H", m, c.pos)[0]
-        if key == "general.architecture" and vtype == _STRING:
+            alignment = c.u32()  # bounds-checked: a file cut here is a truncated GGUF
+        elif key == "split.count" and vtype == _UINT16:
+            split = struct.unpack_from("<H", m, c.take(2))[0]
+        elif key == "general.architecture" and vtype == _STRING:
             arch = c.string()
         else:
             c.skip_value(vtype)

@@ -24,9 +24,10 @@ import numpy as np
 
 from embedq.backends.gguf.blocks import BITS_TYPE, BLOCK_BYTES, QK, encode
 from embedq.backends.gguf.check import check_rows, gguf_rounding
-from embedq.backends.gguf.container import HEADER, GGUFError, GGUFFile, TensorInfo, read_gguf, tensor_nbytes
+from embedq.backends.gguf.container import (HEADER, GGUFError, GGUFFile, TensorInfo, read_gguf,
+                                            tensor_nbytes, type_size)
 from embedq.errors import OverlayError, SchemeError
-from embedq.format.constants import is_head_name
+from embedq.format.constants import CONFIG_NAME, QCONFIG_NAME, is_head_name
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 EXACT_FLAGS = "`--bits 8 --group-size 32 --scale-dtype float16` or `--bits 4 --group-size 32 --scale-dtype float16`"
@@ -160,6 +161,9 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
         info = base.tensor(against)
         if info is None:
             raise GGUFError(f"{base.path}: no {against} tensor (not a language model GGUF?)")
+        if not _readable_type(info.type):
+            raise GGUFError(f"{base.path}: {against} is {info.type_name}, which gguf-py cannot dequantize "
+                            "for the same-model check; use a GGUF whose table is F32, F16, BF16 or Q8_0")
         rows, cols = m.shape
         if info.dims != (cols, rows):
             raise OverlayError(f"{where}: module {m.name} is {rows}x{cols}, {base.path}'s {against} is "
@@ -202,6 +206,18 @@ def added_tensors(base: GGUFFile, jobs) -> dict[str, TensorInfo]:
             for j in jobs if j.added}
 
 
+def _readable_type(ggml_type: int) -> bool:
+    """Whether gguf-py dequantizes tables of this type (the same-model check reads them):
+    probed on one zero block, since its support (no F64, integer types, Q8_1...) varies by version."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    try:
+        dequantize(np.zeros((1, type_size(ggml_type)[1]), np.uint8), GGMLQuantizationType(ggml_type))
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (b.exists() and os.path.samefile(a, b))
@@ -227,6 +243,11 @@ def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str |
     info = read_gguf(base)
     ov = load_overlay(overlay)
     where = str(ov.parsed.where)
+    # --force replaces OUT: never with one of the inputs (the overlay is read lazily, while OUT is written)
+    for src in {ov.file, overlay / QCONFIG_NAME, overlay / CONFIG_NAME}:
+        if src is not None and _same_file(src, output):
+            raise GGUFError(f"{output}: is {src}, an input of this run (the overlay); "
+                            "write the result to another file")
     jobs, notes = _plan(info, ov, where)
     with open(base, "rb") as f:
         ratios = {j.tensor: _check(info, f, j, where) for j in jobs}
