@@ -184,7 +184,7 @@ def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...]
 
 def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     """Refuse a folder that is not a complete embedq checkpoint or bundle; return warnings."""
-    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, index_weight_map, read_json
+    from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, check_config, index_weight_map, read_json
     from embedq.format.reader import parse_overlay_config
     from embedq.format.checkpoint import read_safetensors_header
     if not folder.is_dir():
@@ -222,7 +222,8 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
         if missing:
             raise EmbedqError(f"{folder / INDEX_NAME}: names {', '.join(missing)}, not in the folder")
     if CONFIG_NAME in names:
-        qc = (read_json(folder / CONFIG_NAME).get("quantization_config") or {})
+        qc = check_config(read_json(folder / CONFIG_NAME), str(folder / CONFIG_NAME)).get(
+            "quantization_config") or {}
         if qc.get("quant_method") != QUANT_METHOD:
             warnings.append(f"{CONFIG_NAME} has no embedq quantization_config; loaders will "
                             "not see the overlay")
@@ -306,7 +307,8 @@ def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revisio
         warnings.append("temporary files of an interrupted run are left out")
 
     card_text, card_updated = None, False
-    if update_card and (folder / "README.md").is_file():
+    # only a selected README.md: a link out of the folder is skipped, never read nor replaced
+    if update_card and "README.md" in {p for p, _ in files}:
         from embedq.jobs.card import read_stored, refresh_card
         old = (folder / "README.md").read_text(encoding="utf-8")
         if read_stored(old) is not None:

@@ -196,3 +196,28 @@ def test_in_place_overlay_pushes_without_backups(model_factory, fake_hub):
     c = fake_hub.commits("me/in-place")[0]
     assert sorted(c["files"]) == sorted(p for p, _ in res.files)
     assert "embedq.safetensors" in c["files"] and "model.safetensors" in c["files"]
+
+
+def test_readme_link_out_of_the_folder_is_never_read_nor_replaced(derive, fake_hub, tmp_path):
+    _, out, _ = derive("qwen2_tied", bits=4, overlay_only=True)
+    outside = tmp_path / "outside_card.md"
+    outside.write_text((out / "README.md").read_text())  # an embedq card: it would be re-rendered
+    (out / "README.md").unlink()
+    (out / "README.md").symlink_to("../outside_card.md")
+    card_before = outside.read_bytes()
+    r = CliRunner().invoke(app, ["push", str(out), "--repo-id", "me/x", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "README.md (a link out of the folder)" in r.output and "re-rendered" not in r.output
+    res = push(out, "me/x", progress=False)
+    assert not res.card_updated and "README.md" not in fake_hub.commits("me/x")[0]["files"]
+    assert (out / "README.md").is_symlink() and outside.read_bytes() == card_before
+
+
+def test_config_quantization_config_not_an_object(derive):
+    _, out, _ = derive("qwen2_tied", bits=8)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = "x"
+    (out / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["push", str(out), "--repo-id", "me/x", "--dry-run"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == f'embedq: error: {out / "config.json"}: quantization_config is "x", expected an object'
