@@ -127,7 +127,7 @@ def _settled(t: dict[str, str]) -> dict[str, str]:
 
 def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
           point: str = "committed", extra=None, limit: int = 16, view=None,
-          after_switch=None, stride: int = 1) -> int:
+          after_switch=None, stride: int = 1, also: tuple = ()) -> int:
     """Kill ``embedq ARGS`` at its 1st, 2nd, … ``point`` until a run completes; after each
     kill ``dest`` holds the ``old`` or the ``new`` files (leftover staging aside), and a
     rerun gives exactly ``new`` (no leftover). ``reset()`` restores the old state before
@@ -137,7 +137,8 @@ def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
     the switch to the new state (a verb that refuses to run twice, e.g. an in-place patch
     of a patched graph) and must leave exactly ``new``. ``stride`` > 1 kills at every
     stride-th commit only, the first and the last always (a verb with many alike commits).
-    Returns the number of points the verb has."""
+    ``also``: more trees a kill may leave (through ``view``), e.g. an in-place verb's
+    original model between two overlays. Returns the number of points the verb has."""
     view = view or without_leftovers
 
     def kill_at(at: str) -> bool:
@@ -149,7 +150,8 @@ def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
             return False
         assert r.returncode == -signal.SIGKILL, (at, r.stderr)
         now = view(tree(dest))
-        assert now in (view(old), view(new)), (at, sorted(set(now.items()) ^ set(view(old).items())))
+        assert now in (view(old), view(new), *map(view, also)), \
+            (at, sorted(set(now.items()) ^ set(view(old).items())))
         if extra:
             extra(at)
         if _settled(tree(dest)) == _settled(new):

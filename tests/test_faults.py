@@ -88,6 +88,28 @@ def test_quantize_killed_at_every_commit(bundle, tmp_path, where):
     assert not leftovers(tmp_path)
 
 
+def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
+    """``quantize --force`` over an in-place overlay of other settings: after a kill a loader
+    reads the old overlay, the new one, or (between the two) the original model; never the
+    old settings in config.json over the new tables."""
+    src, _, _ = bundle
+    first, model = tmp_path / "first", tmp_path / "model"
+    _fresh(src, first)()
+    assert embedq("quantize", first, "-q", "--lm-head", "--bits", "8").returncode == 0
+    reset = _fresh(first, model)
+    args = ("quantize", model, "-q", "--lm-head", "--bits", "4", "--force")
+    old, new = tree(first), _clean_run(reset, model, *args)
+    original = tree(src)["config.json"]
+    switch = ("config.json", "embedq.safetensors", "quantization_config.json")
+
+    def view(t):
+        if t.get("config.json") == original:  # overlay invisible: loaders read the original
+            return {"config.json": original}
+        return {**loaded_view(t), **{k: t.get(k) for k in switch}}
+    assert sweep(args, model, reset, old, new, view=view, also=({"config.json": original},)) >= 1
+    assert tree(src) == tree(src) and not leftovers(tmp_path)
+
+
 def test_card_killed(bundle, tmp_path):
     _, _, derived = bundle
     folder = tmp_path / "d"

@@ -6,8 +6,10 @@ Commit order (config.json is the commit point):
 2. the finished overlay is renamed to ``embedq.safetensors``;
 3. ``quantization_config.json``, then the index, then ``config.json`` are replaced
    atomically.
-A crash anywhere leaves either the original config.json (the overlay is invisible
-to loaders, and the next run or ``remove`` cleans up) or a complete overlay.
+An overlay committed earlier is switched off first (config.json back to the original),
+so a crash anywhere leaves the old overlay (before that switch), the original config.json
+(the overlay is invisible to loaders, and the next run or ``remove`` cleans up) or the
+complete new overlay.
 
 A downloaded folder may carry a ``.embedq/`` of its own, so nothing in it is trusted
 blindly (docs/security.md): ``state.json`` may name only the two files embedq backs up,
@@ -313,6 +315,10 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
         backup = write_backup(path)
     links = _links(path)
     try:
+        # an overlay committed earlier (quantize --force, apply over an overlay) is switched
+        # off first: a kill after the rename below then leaves the original config.json (the
+        # model as it was), never the old overlay's settings over the new tables
+        _restore_one(path, CONFIG_NAME, backup[CONFIG_NAME], links.get(CONFIG_NAME))
         writer.commit()
         testpoint.reached("committing")
         write_json_atomic(path / QCONFIG_NAME, qconfig)
