@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from embedq.errors import EmbedqError
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.checkpoint import check_folder_reads
 from embedq.backends.onnx.common import META_PREFIX, PROTOBUF_LIMIT, OnnxError
@@ -54,12 +55,18 @@ def load_float_model(model_dir: str | os.PathLike, overlay: str | os.PathLike | 
             raise OnnxError(f"{p / 'config.json'}: quantized with {qd.get('quant_method')}; "
                             "embedq onnx export handles float checkpoints only")
         del cfg.quantization_config
+    from transformers.utils import logging as tf_logging
+    bar = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()  # a verb's stderr is its one error line (or nothing)
     try:
         model, info = tf.AutoModelForCausalLM.from_pretrained(
             p, config=cfg, dtype=dtype, output_loading_info=True)
     except Exception as e:
         raise OnnxError(f"{p}: cannot load as a transformers causal LM ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    finally:
+        if bar:
+            tf_logging.enable_progress_bar()
     missing = set(info.get("missing_keys") or [])
     if missing:
         ov = load_overlay(overlay or p)
@@ -133,34 +140,49 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     """
     from embedq.backends.onnx.common import require_onnx
     require_onnx()
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.reader import parse_overlay_config
     from embedq.format.dtypes import dtype_from_name
+    from embedq.backends.onnx.write import check_not_input, check_output_file, folder_files, new_parents
     from embedq.backends.onnx.split import resolve_limit
     resolve_limit(max_tensor_bytes, target)  # fail before the slow part
     t0 = time.perf_counter()
     mdir, out = Path(model_dir), Path(output)
     ov_dir = Path(overlay) if overlay is not None else mdir
-    read_overlay_config(ov_dir)  # fail before the slow part
+    cfg = parse_overlay_config(ov_dir)  # fail before the slow part
     if dtype not in ("float32", "float16"):
         raise OnnxError(f"--dtype {dtype}: expected float32 or float16 (ONNX Runtime CPU has no bf16 kernels)")
     if out.exists() and not force:
         raise OnnxError(f"{out}: already exists (pass --force to replace it)")
+    check_output_file(out)
+    # what the export reads: all but ONNX files (an earlier export there is an output)
+    check_not_input(out, [f for f in folder_files(mdir) + folder_files(ov_dir)
+                          if not f.name.endswith((".onnx", ".data"))])
+    if ov_dir.resolve() != mdir.resolve():  # another folder's overlay: made from this model?
+        from embedq.format.checkpoint import Checkpoint
+        from embedq.jobs.apply import check_base
+        check_base(Checkpoint.open(mdir), cfg)
     from embedq.backends.onnx.write import data_generations
     from embedq.format import staging
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # a killed export's float model (a staging folder) and staged files go first
-    staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
-    model = load_float_model(mdir, ov_dir, dtype_from_name(dtype))
-    with staging.staging_dir(out.parent, "onnx", output=out) as tmp:
-        fpath = tmp / "float.onnx"
-        t_exp = export_float(model, fpath, opset=opset, optimize=optimize)
-        del model
-        staging.kill_point("export-float")
-        if external_data is None:  # one file unless it would not fit protobuf's 2 GB
-            external_data = estimate_patched(fpath, ov_dir) > PROTOBUF_LIMIT * 0.9
-        report = patch_model(fpath, ov_dir, out, external_data=external_data, force=force,
-                             accuracy_level=accuracy_level, max_tensor_bytes=max_tensor_bytes,
-                             target=target)
+    with new_parents(out):  # a failed export leaves no folder it made
+        # a killed export's float model (a staging folder) and staged files go first
+        staging.clean_leftovers(out.parent, [out.name, *data_generations(out)])
+        model = load_float_model(mdir, ov_dir, dtype_from_name(dtype))
+        with staging.staging_dir(out.parent, "onnx", output=out) as tmp:
+            fpath = tmp / "float.onnx"
+            t_exp = export_float(model, fpath, opset=opset, optimize=optimize)
+            del model
+            staging.kill_point("export-float")
+            if external_data is None:  # one file unless it would not fit protobuf's 2 GB
+                external_data = estimate_patched(fpath, ov_dir) > PROTOBUF_LIMIT * 0.9
+            try:
+                report = patch_model(fpath, ov_dir, out, external_data=external_data, force=force,
+                                     accuracy_level=accuracy_level, max_tensor_bytes=max_tensor_bytes,
+                                     target=target)
+            except EmbedqError as e:  # the float graph goes with its folder: name the model
+                err = staging.renamed(e, fpath, mdir)
+                if err is e:
+                    raise
+                raise err from None
     report.model = str(mdir)
     report.export_seconds = t_exp
     report.seconds = time.perf_counter() - t0

@@ -43,8 +43,13 @@ class GenaiFolder:
     in_place: bool  # out is src
 
 
-def open_genai_folder(src: Path, out: Path, force: bool) -> GenaiFolder:
-    """Read ``src``'s config and refuse, before anything is written, what cannot be patched."""
+def open_genai_folder(src: Path, out: Path, force: bool, overlay: Path | None = None) -> GenaiFolder:
+    """Read ``src``'s config and refuse, before anything is written, what cannot be patched.
+
+    OUT is written whole and put in place at once, so it must not be, hold or lie inside
+    the source or the overlay; ``force`` replaces only an earlier output of this command
+    (:func:`is_genai_output`) or an empty folder, never another folder.
+    """
     # Everything of the folder is read or copied into the output: no link may lead out.
     check_links(src)
     try:
@@ -58,12 +63,46 @@ def open_genai_folder(src: Path, out: Path, force: bool) -> GenaiFolder:
     in_place = out.exists() and out.resolve() == src.resolve()
     if in_place and not force:
         raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")
+    apart = [] if in_place else [("the input folder", src)]
+    _check_apart(out, apart + ([("the overlay", overlay)] if overlay is not None else []))
     if out.exists() and not in_place:
         if not out.is_dir():
             raise OnnxError(f"{out}: not a folder (a genai folder is written as a folder)")
-        if any(out.iterdir()) and not force:
-            raise OnnxError(f"{out}: already exists and is not empty (pass --force to replace it)")
+        if any(out.iterdir()):
+            if not force:
+                raise OnnxError(f"{out}: already exists and is not empty (pass --force to replace it)")
+            if not is_genai_output(out):
+                raise OnnxError(f"{out}: not empty and not a genai folder embedq patched (its {GENAI_CONFIG} "
+                                "names no decoder with embedq metadata); --force replaces only those: "
+                                "choose a new or empty folder")
     return GenaiFolder(src, out, gcfg, fname, model, in_place)
+
+
+def _check_apart(out: Path, inputs: list[tuple[str, Path]]) -> None:
+    """Refuse an OUT that is, holds, or lies inside an input folder: replacing OUT whole
+    would delete it, or the copy would read its own output."""
+    o = out.resolve()
+    for what, p in inputs:
+        r = Path(p).resolve()
+        if o == r or o in r.parents or r in o.parents:
+            rel = "is" if o == r else "holds" if o in r.parents else "is inside"
+            raise OnnxError(f"{out}: {rel} {what} {p}; write the patched folder elsewhere")
+
+
+def is_genai_output(folder: Path) -> bool:
+    """Whether ``folder`` is a genai folder this command wrote: its ``genai_config.json``
+    names a decoder file whose metadata has ``embedq.version`` (what every patch records)."""
+    from embedq.backends.onnx.common import META_PREFIX
+    try:
+        fname = json.loads((folder / GENAI_CONFIG).read_text())["model"]["decoder"]["filename"]
+        model = folder / fname
+        if name_problem(fname) or model.is_symlink() or not model.is_file():
+            return False
+        import onnx
+        mp = onnx.load(str(model), load_external_data=False)
+    except Exception:  # unreadable, foreign or damaged: not ours
+        return False
+    return any(p.key == META_PREFIX + "version" for p in mp.metadata_props)
 
 
 def model_files(folder: GenaiFolder, mp) -> set[Path]:
@@ -97,14 +136,20 @@ def write_folder(folder: GenaiFolder, own: set[Path], patch_decoder):
     fsynced, and put in OUT's place at once (:func:`embedq.format.staging.exchange`): a
     kill leaves no half folder, only staging the next run removes.
     """
-    from dataclasses import replace
     from embedq.format import staging
+    from embedq.backends.onnx.write import new_parents
     out = folder.out
     if folder.in_place:
         return patch_decoder(out / folder.decoder)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging.clean_leftovers(out.parent, [out.name])
-    stage = staging.partial_path(out)
+    with new_parents(out):
+        staging.clean_leftovers(out.parent, [out.name])
+        return _stage_folder(folder, own, patch_decoder, staging.partial_path(out))
+
+
+def _stage_folder(folder: GenaiFolder, own: set[Path], patch_decoder, stage: Path):
+    from dataclasses import replace
+    from embedq.format import staging
+    out = folder.out
     try:
         stage.mkdir()
         report = patch_decoder(stage / folder.decoder)

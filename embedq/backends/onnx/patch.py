@@ -23,7 +23,8 @@ from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure,
 from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
-from embedq.backends.onnx.write import clean_output, write_model
+from embedq.backends.onnx.write import (check_not_input, check_output_file, clean_output, folder_files,
+                                        write_model)
 
 #: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
 #: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
@@ -106,6 +107,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         raise OnnxError(f"{out_path}: already exists (pass --force to replace it)")
     if out_path.exists() and not force:
         raise OnnxError(f"{out_path}: is the input model; pass --force to patch it in place")
+    check_output_file(out_path)
     if accuracy_level is None:
         accuracy_level = default_accuracy_level(execution_provider or "cpu")
     if accuracy_level not in range(5):
@@ -115,6 +117,11 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
     check_external_data(mp, src_path.parent, src_path)
+    # --force replaces an earlier output, never a file this patch reads (in place, the
+    # model and its data are replaced by design: see write.py)
+    in_place = out_path.exists() and out_path.resolve() == src_path.resolve()
+    check_not_input(out_path, folder_files(ov_path) if in_place else
+                    [src_path, *_source_data(mp, src_path), *folder_files(ov_path)])
     if out_path.parent.is_dir():  # a killed patch's staging and stale data generation
         clean_output(out_path, src_path.parent, mp, src_path)
     P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level,
@@ -148,10 +155,17 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
                               f"{max_tensor_bytes}: {', '.join(big[:5])} (embedq splits only the tables "
                               "it quantizes)")
     file_bytes = write_model(mp, P.G.base_dir, out_path, new_tensors, external_data,
-                             src_model=src_path)
+                             src_model=src_path, force=force)
     return OnnxReport(str(src_path), str(out_path), str(ov_path), reports, bytes_before, bytes_after,
                       file_bytes, external_data, P.min_ort, time.perf_counter() - t0, None, P.warnings,
                       accuracy_level, max_tensor_bytes, largest)
+
+
+def _source_data(mp, src_path: Path) -> list[Path]:
+    """The external data files the source model reads."""
+    from embedq.backends.onnx.common import external_data
+    return [external_data(t, src_path.parent, src_path)[0] for t in iter_tensors(mp)
+            if t.data_location == tensor_proto().EXTERNAL]
 
 
 def _find_matches(P: _Patch) -> tuple[list[TableMatch], dict[int, str]]:
@@ -470,7 +484,7 @@ def _patch_genai_folder(src: Path, ov_path: Path, out: Path, *, external_data: b
                         force: bool, accuracy_level: int | None,
                         execution_provider: str | None, max_tensor_bytes: int | None = None) -> OnnxReport:
     """Patch the decoder of an onnxruntime-genai folder into ``out``, a complete folder."""
-    folder = open_genai_folder(src, out, force)
+    folder = open_genai_folder(src, out, force, overlay=ov_path)
     ep = execution_provider or genai_provider(folder.config)
     # The model's own external data files are rewritten by the patch; everything else is copied.
     own = model_files(folder, load_onnx_model(folder.model))

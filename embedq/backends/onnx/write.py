@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import filecmp
 import os
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -58,13 +61,64 @@ def _data_name(out: Path) -> tuple[str, set[str]]:
     The new data never takes a name the current OUT reads: renaming it over that file
     before OUT itself would pair, until OUT is renamed, a graph with another graph's data
     (a kill in between would keep that pairing). So an in-place patch writes the other
-    generation; the model renamed last switches both at once.
+    generation; the model renamed last switches both at once. Only what OUT reads is
+    stale: with no OUT (or an unreadable one) nothing is, whatever lies beside it.
     """
     gens = data_generations(out)
-    if not out.exists() or not (out.parent / gens[0]).exists():
-        return gens[0], {gens[1]}
-    name = gens[1] if gens[0] in (_referenced(out) or set(gens)) else gens[0]
-    return name, {g for g in gens if g != name}
+    if not (out.parent / gens[0]).exists():
+        return gens[0], _stale(out, {gens[0]})
+    reads = _referenced(out) if out.exists() else set()
+    name = gens[1] if gens[0] in (reads if reads is not None else set(gens)) else gens[0]
+    return name, _stale(out, {name})
+
+
+def _stale(out: Path, keep: set[str]) -> set[str]:
+    """The data generations the current OUT reads, but ``keep``: replaced with OUT."""
+    reads = (_referenced(out) or set()) if out.is_file() else set()
+    return {g for g in data_generations(out) if g in reads and g not in keep}
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """The files directly in ``folder`` (an input model or overlay folder)."""
+    try:
+        return [p for p in Path(folder).iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+def check_not_input(out: Path, inputs: Iterable[Path]) -> None:
+    """Refuse an output that is, or whose data file would be, one of the files the command
+    reads (through links too): --force replaces an earlier output, never an input."""
+    ins = {os.path.realpath(p) for p in inputs}
+    for p in (out, *(out.parent / g for g in data_generations(out))):
+        if os.path.realpath(p) in ins:
+            raise OnnxError(f"{p}: is one of this command's input files; write the output elsewhere")
+
+
+def check_output_file(out: Path) -> None:
+    """A single model is written as a file: refuse a folder before any work."""
+    if out.is_dir():
+        raise OnnxError(f"{out}: is a folder; name the .onnx file to write (e.g. {out / 'model.onnx'})")
+
+
+@contextlib.contextmanager
+def new_parents(path: Path) -> Iterator[None]:
+    """Create ``path``'s missing parent folders; if the body fails, remove those of them
+    it left empty, so a refused or failed run leaves no trace."""
+    made, p = [], Path(path).parent
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first; one not empty keeps those above it
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def clean_generations(out: Path, keep: set[Path] = frozenset()) -> list[str]:
@@ -103,20 +157,28 @@ def _source_files(out: Path, src_dir: Path, mp, src_model: Path | None) -> set[P
 
 
 def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray],
-                 external: bool, src_model: Path | None = None) -> int:
+                 external: bool, src_model: Path | None = None, force: bool = False) -> int:
+    with new_parents(out):
+        return _write_model(mp, src_dir, out, new_tensors, external, src_model, force)
+
+
+def _write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray],
+                 external: bool, src_model: Path | None, force: bool) -> int:
     """Write the model (and its external data) atomically; return the bytes written.
 
     Both files are staged (embedq.format.staging) and fsynced; the data is renamed to a
     name OUT does not read yet (:func:`_data_name`), then OUT is renamed last, then the
     previous generation is removed — unless the source model (``src_model``, when it is not
     OUT) reads it. A kill at any point leaves the old OUT with its data,
-    or the new OUT with its data, and staging names the next run removes.
+    or the new OUT with its data, and staging names the next run removes; a failure to
+    rename OUT takes the new data back. A data file of the needed name that OUT does not
+    read is replaced only with ``force``, or when it holds the very bytes written (what a
+    run killed before renaming OUT left).
     """
     from onnx import TensorProto, helper, numpy_helper
     from embedq.format import staging
-    out.parent.mkdir(parents=True, exist_ok=True)
     keep = _source_files(out, src_dir, mp, src_model)  # (the caller ran clean_output first)
-    data_name, stale = _data_name(out) if external else (None, set(data_generations(out)))
+    data_name, stale = _data_name(out) if external else (None, _stale(out, set()))
     tmp_model = staging.partial_path(out)
     tmp_data = staging.partial_path(out.parent / data_name) if external else None
     protos = []
@@ -176,11 +238,20 @@ def write_model(mp, src_dir: Path, out: Path, new_tensors: dict[str, np.ndarray]
             f.flush()
             os.fsync(f.fileno())
         size = len(data)
+        data_path = out.parent / data_name if external else None
         if external:
             size += tmp_data.stat().st_size
-            staging.commit(tmp_data, out.parent / data_name)
+            if data_path.exists() and not force and not filecmp.cmp(tmp_data, data_path, shallow=False):
+                raise OnnxError(f"{data_path}: already exists and {out} does not read it "
+                                "(pass --force to replace it, or choose another output)")
+            staging.commit(tmp_data, data_path)
             staging.kill_point("onnx-data")
-        staging.commit(tmp_model, out)  # last: OUT switches to its new data here
+        try:
+            staging.commit(tmp_model, out)  # last: OUT switches to its new data here
+        except BaseException:
+            if data_path is not None:  # a name OUT does not read: the old state again
+                staging.remove(data_path)
+            raise
         for g in stale:  # the generation no model reads any more (a source's data stays)
             if (out.parent / g).is_file() and (out.parent / g).resolve() not in keep:
                 staging.remove(out.parent / g)
