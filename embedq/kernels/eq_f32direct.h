@@ -21,21 +21,29 @@ static inline void scales16(const job_t* j, int64_t i0, __m256* s0, __m256* s1) 
     *s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
-/* Group gi's dot for the 16 rows (t0: rows 0-7, t1: 8-15) into o: minus z * sum(x_group)
-   for asymmetric rows, times the scales, added to the earlier groups' (gi == 0: stored). */
-static inline void group_out(const job_t* j, int64_t nb, int64_t gi, float xsum, __m256 s0, __m256 s1,
-                             __m256 t0, __m256 t1, float* o) {
+/* Group gi's dot for the 16 rows (t0: rows 0-7, t1: 8-15) into the block's sums o0, o1: minus
+   z * sum(x_group) for asymmetric rows, times the scales, added to the earlier groups' (gi == 0:
+   set). The M = 1 plane paths keep o0, o1 in registers for the whole block (the stores and
+   reloads of a 16-float array per group were a chain through store forwarding: Gemma head Q4 g32
+   M = 1, Zen 4, AVX2 build, 0.98x the time); group_out is the same through memory. */
+static inline void group_acc(const job_t* j, int64_t nb, int64_t gi, float xsum, __m256 s0, __m256 s1,
+                             __m256 t0, __m256 t1, __m256* o0, __m256* o1) {
     if (j->z) {
         const __m256 xv = _mm256_set1_ps(xsum);
         const int8_t* zz = j->z + (nb * j->G + gi) * RB;
         t0 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)zz))), xv, t0);
         t1 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(zz + 8)))), xv, t1);
     }
-    if (gi == 0) { _mm256_storeu_ps(o, _mm256_mul_ps(t0, s0)); _mm256_storeu_ps(o + 8, _mm256_mul_ps(t1, s1)); }
-    else {
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(t0, s0, _mm256_loadu_ps(o)));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(t1, s1, _mm256_loadu_ps(o + 8)));
-    }
+    if (gi == 0) { *o0 = _mm256_mul_ps(t0, s0); *o1 = _mm256_mul_ps(t1, s1); }
+    else { *o0 = _mm256_fmadd_ps(t0, s0, *o0); *o1 = _mm256_fmadd_ps(t1, s1, *o1); }
+}
+
+static inline void group_out(const job_t* j, int64_t nb, int64_t gi, float xsum, __m256 s0, __m256 s1,
+                             __m256 t0, __m256 t1, float* o) {
+    __m256 o0 = gi ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o1 = gi ? _mm256_loadu_ps(o + 8) : o0;
+    group_acc(j, nb, gi, xsum, s0, s1, t0, t1, &o0, &o1);
+    _mm256_storeu_ps(o, o0);
+    _mm256_storeu_ps(o + 8, o1);
 }
 
 /* int8: the stored pairs [r c0, r c1] stay interleaved in the lanes (vpmovsxbd straight

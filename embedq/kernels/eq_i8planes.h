@@ -71,6 +71,7 @@ static inline __attribute__((always_inline)) void i8i_dots(const int8_t* b0, con
 static void direct8i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
     const int64_t KP = j->K / 2, G = j->G, c = P->chunk, CP = c / 2, NCG = j->g / c;
     const int8_t* wq = (const int8_t*)j->w + nb * KP * 32;
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0;  /* the block's sums (group_acc) */
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
         for (int64_t ci = gi * NCG; ci < (gi + 1) * NCG; ci++) {
@@ -90,6 +91,8 @@ static void direct8i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         }
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
-        group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, o);
+        group_acc(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, &o0, &o1);
     }
+    _mm256_storeu_ps(o, o0);
+    _mm256_storeu_ps(o + 8, o1);
 }

@@ -322,6 +322,7 @@ static inline void q4d_out(__m256i r, int32_t corr, float mul, __m256* t) {
 static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
     const int64_t NCH = j->g / 8, G = j->G, S = Q4P_STRIDE(j->g);
     const uint32_t* wb = (const uint32_t*)j->w + nb * (j->K / 8) * RB;
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0;  /* the block's sums (group_acc) */
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         const uint32_t* b0 = wb + gi * NCH * RB;
@@ -347,14 +348,17 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
         }
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
-        group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t[0], t[1], o);
+        group_acc(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t[0], t[1], &o0, &o1);
     }
+    _mm256_storeu_ps(o, o0);
+    _mm256_storeu_ps(o + 8, o1);
 }
 #else
 /* The 16 rows of block nb: o[16] = x . dequant(W)^T, from the planes (see above). */
 static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const float* xs, float* o) {
     const int64_t KP = j->K / 2, PG = j->g / 2, G = j->G, IT = PG / 2;
     const uint8_t* wb = j->w + nb * KP * 16;
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0;  /* the block's sums (group_acc) */
     for (int64_t gi = 0; gi < G; gi++) {
         __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
         const uint8_t* b0 = wb + gi * PG * 16;
@@ -381,7 +385,9 @@ static void direct4i(const job_t* j, const q4planes_t* P, int64_t nb, const floa
 #endif
         __m256 s0, s1;
         scales16(j, (nb * G + gi) * RB, &s0, &s1);
-        group_out(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, o);
+        group_acc(j, nb, gi, j->z ? xs[gi] : 0.0f, s0, s1, t0, t1, &o0, &o1);
     }
+    _mm256_storeu_ps(o, o0);
+    _mm256_storeu_ps(o + 8, o1);
 }
 #endif
