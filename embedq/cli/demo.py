@@ -20,14 +20,25 @@ def build_demo_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+# Written into the demo model's folder once it is built: the one sign that the folder is
+# demo's own, so a rerun may re-quantize it with force (never a user's checkpoint and overlay).
+DEMO_MARKER = ".embedq-demo"
+
+
 def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
+    from embedq.errors import EmbedqError
     from embedq.jobs.quantize import quantize_checkpoint
     from embedq.jobs.recipe import QuantizeRecipe
     from embedq.jobs.verify import verify_overlay
+    recipe = QuantizeRecipe.from_options(bits, force=True)  # a bad scheme fails before the 32k model is built
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="embedq-demo-"))
     model = base / "demo-model"
-    if not (model / "config.json").exists():
+    if not (model / DEMO_MARKER).is_file():
+        if model.is_symlink() or model.exists() and (not model.is_dir() or any(model.iterdir())):
+            raise EmbedqError(f"{model}: already exists and was not made by `embedq demo`; refusing to "
+                              "quantize it (pick another --dir or remove it)")
         build_demo_model(model)
-    report = quantize_checkpoint(model, QuantizeRecipe.from_options(bits, force=True))
+        (model / DEMO_MARKER).write_text("made by `embedq demo`; a rerun may re-quantize this folder\n")
+    report = quantize_checkpoint(model, recipe)
     verify_overlay(model)
     return report

@@ -1,0 +1,47 @@
+"""``embedq demo --dir D``: a bad scheme is refused before the 32k-vocab model is built, and
+a ``D/demo-model`` that demo did not make (a user's checkpoint, its overlay) is never
+re-quantized in place. One ``embedq: error:`` line, exit 2, the folder untouched."""
+
+from __future__ import annotations
+
+import shutil
+
+from typer.testing import CliRunner
+
+import embedq
+from ckptutil import snapshot
+from embedq.cli import app
+from embedq.cli.demo import DEMO_MARKER
+
+runner = CliRunner()
+
+
+def _refused(res, *words):
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("embedq: error: "), res.output
+    assert "Traceback" not in res.output and "unexpected" not in res.output
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_bad_bits_builds_nothing(tmp_path):
+    _refused(runner.invoke(app, ["demo", "--bits", "3", "--dir", str(tmp_path)]), "3")
+    assert not (tmp_path / "demo-model").exists()
+
+
+def test_a_users_checkpoint_is_not_requantized(model_factory, tmp_path):
+    mine = tmp_path / "demo-model"
+    shutil.copytree(model_factory("qwen2_tied"), mine)
+    embedq.quantize(mine, bits=4, progress=False)  # the user's own overlay
+    before = snapshot(mine)
+    _refused(runner.invoke(app, ["demo", "--dir", str(tmp_path)]), str(mine), "not made by `embedq demo`")
+    assert snapshot(mine) == before
+
+
+def test_demo_reuses_its_own_folder(tmp_path):
+    assert runner.invoke(app, ["demo", "--dir", str(tmp_path)]).exit_code == 0
+    assert (tmp_path / "demo-model" / DEMO_MARKER).is_file()
+    r = runner.invoke(app, ["demo", "--dir", str(tmp_path), "--bits", "4"])
+    assert r.exit_code == 0, r.output
+    assert "int4" in r.stdout
