@@ -72,3 +72,29 @@ def test_table_type_gguf_py_cannot_read(tiny, tiny_overlays, tmp_path):
     res = runner.invoke(app, ["gguf", str(base), "--overlay", str(tiny_overlays["q8"]), "-o", str(tmp_path / "o.gguf")])
     _refused(res, str(base), "token_embd.weight is I32")
     assert base.read_bytes() == before and not (tmp_path / "o.gguf").exists()
+
+
+def _with_empty_string_array(path) -> None:
+    """Insert one key/value, an empty string array (valid per the spec; gguf-py's writer refuses
+    it, its reader reads it), right after the header. 32 bytes, so tensor data stays aligned."""
+    data = bytearray(path.read_bytes())
+    key = b"test.abc"  # 8 + 8 + 16 = 32 bytes in all: a multiple of the 32-byte alignment
+    kv = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, 0)  # ARRAY of STRING, n=0
+    assert len(kv) == 32
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    struct.pack_into("<Q", data, 16, n_kv + 1)
+    path.write_bytes(bytes(data[:24] + kv + data[24:]))
+
+
+def test_empty_string_array_in_metadata(tiny, tiny_overlays, tmp_path):
+    import gguf
+    hf, _ = tiny
+    base = write_llama_gguf(hf, tmp_path / "base.gguf")
+    _with_empty_string_array(base)
+    assert len(gguf.GGUFReader(str(base)).fields["test.abc"].data) == 0  # gguf-py reads it
+    res = runner.invoke(app, ["inspect", str(base)])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "o.gguf"
+    res = runner.invoke(app, ["gguf", str(base), "--overlay", str(tiny_overlays["q8"]), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.exists()

@@ -153,11 +153,15 @@ class _Cursor:
                 self.take(n * _SCALAR[itype])
             elif itype == _STRING:  # tokenizer vocabularies: 10^5-10^6 strings, one tight loop
                 buf, pos, end, unpack = self.buf, self.pos, len(self.buf), struct.Struct("<Q").unpack_from
-                for _ in range(n):
+                # An explicit count, not the loop variable: an empty array (valid per the spec)
+                # never binds it.
+                read = 0
+                while read < n:
                     if pos + 8 > end:
                         break
                     pos += 8 + unpack(buf, pos)[0]
-                if pos > end or _ < n - 1:
+                    read += 1
+                if pos > end or read < n:
                     self.pos = end + 1
                     self.take(0)
                 self.pos = pos
