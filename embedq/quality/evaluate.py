@@ -306,6 +306,41 @@ def load_pair(path: str | os.PathLike, reference: str | os.PathLike | None = Non
     return ref, quant
 
 
+def _check_device(p: Path, device: str | None) -> None:
+    """Refuse a device torch cannot parse or this machine lacks, before loading anything
+    (torch's own failure comes late, as an AssertionError or a meta-tensor ValueError)."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise EvalError(f"{p}: --device {device!r} is not a torch device; use cpu, cuda, cuda:1, ...") from None
+    if d.type == "cpu":
+        return
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise EvalError(f"{p}: --device {device}: this torch sees no CUDA GPU; drop --device (CPU)")
+        if d.index is not None and d.index >= n:
+            raise EvalError(f"{p}: --device {device}: this machine has {n} CUDA GPU(s) (cuda:0..cuda:{n - 1})")
+        return
+    backend = getattr(torch.backends, d.type, None) or getattr(torch, d.type, None)
+    if d.type == "meta" or backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise EvalError(f"{p}: --device {device}: not available here; use cpu or cuda")
+
+
+def _check_ids(p: Path, ctx: torch.Tensor, rows: int | None, source: str) -> None:
+    """Every id must index the embedding table: an id past it is the tokenizer (or the ids
+    given) disagreeing with the model, which torch reports only as an IndexError."""
+    if rows is None:
+        return
+    hi, lo = int(ctx.max()), int(ctx.min())
+    if hi >= rows or lo < 0:
+        bad = hi if hi >= rows else lo
+        raise EvalError(f"{p}: {source} and the model disagree: token id {bad} is outside the "
+                        f"table's {rows} rows (0..{rows - 1}); use the model's own tokenizer")
+
+
 def _labels(qconfig: OverlayConfig, float_head: bool) -> dict[str, str]:
     out = {}
     for name, e in qconfig.modules.items():
@@ -351,6 +386,11 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
         actquant.mode(activations)
     except ValueError as e:
         raise EvalError(f"{p}: {e} (--activations)") from None
+    _check_device(p, device)
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise EvalError(f"{p}: bootstrap={bootstrap!r}: give a number of samples >= 0 (0: no CIs)")
+    if bos != "auto" and bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+        raise EvalError(f"{p}: bos={bos!r}: give a token id >= 0, None (no BOS) or \"auto\"")
     qconfig = parse_overlay_config(p)
     tokenizer, tok_bos = None, None
     if tokens is None:
@@ -369,14 +409,21 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
     if tokenizer is not None:
         ctx = text_contexts(tokenizer, body, contexts, length, bos)
     else:
-        ctx = make_contexts(tokens, contexts, length, bos)
+        try:
+            ctx = make_contexts(tokens, contexts, length, bos)
+        except (TypeError, ValueError, RuntimeError) as e:  # torch's words for a ragged / non-int list
+            raise EvalError(f"{p}: tokens: not a list of integer token ids ({e})") from None
     ref_path = Path(reference) if reference is not None else p
     if floor and _dtype(dtype) != torch.float32:
         raise EvalError(f"{p}: the bf16 floor is measured against a float32 reference; drop --floor "
                         f"or use --dtype float32 (not {dtype})")
     if floor is None:
         floor = _dtype(dtype) == torch.float32 and source_is_bf16(ref_path, qconfig)
+    source = "the tokenizer" if tokenizer is not None else "tokens/bos"
+    # Before loading: the overlay's tables are vocabulary-sized; after: the models' own tables.
+    _check_ids(p, ctx, min((e.shape[0] for e in qconfig.modules.values()), default=None), source)
     ref, quant = load_pair(p, reference, dtype, float_head, device, activations)
+    _check_ids(p, ctx, min(m.get_input_embeddings().num_embeddings for m in (ref, quant)), source)
     from embedq.backends.transformers import QuantizedLMHead
     used = {m.table.prepared.activations for m in quant.modules()  # heads that really round them
             if isinstance(m, QuantizedLMHead) and m.table.prepared is not None
