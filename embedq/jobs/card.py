@@ -24,7 +24,7 @@ from typing import Any
 
 from embedq.errors import EmbedqError
 from embedq.format.checkpoint import QCONFIG_NAME, read_json
-from embedq.format.files import write_bytes_atomic
+from embedq.format.files import stays_inside, write_bytes_atomic
 from embedq.jobs.card_data import (CARD_NAME, EVAL_NAME, CardError, card_context, check_base_model,
                                    check_card_inputs, check_revision, front_matter, infer_base,
                                    load_eval, read_stored, validate_metadata)
@@ -98,10 +98,17 @@ def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_mo
     if write:  # a killed run's staged card
         from embedq.format.staging import clean_leftovers
         clean_leftovers(folder, [CARD_NAME])
+    if path.is_symlink() and not stays_inside(folder, path):
+        # like push: a README.md leading out of the folder is neither read nor replaced
+        raise CardError(f"{path}: a link leading out of the folder ({os.readlink(path)}); refusing to "
+                        "read or replace it (copy the card into the folder)")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CardError(f"{path}: no model card (made by `embedq quantize --output`?)") from None
+    except UnicodeDecodeError:
+        raise CardError(f"{path}: not UTF-8 text, so not a card written by embedq; refusing to "
+                        "overwrite it") from None
     ctx = read_stored(text)
     if ctx is None:
         raise CardError(f"{path}: not a card written by embedq; refusing to overwrite it")

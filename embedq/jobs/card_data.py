@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embedq.errors import EmbedqError
-from embedq.format.files import stays_inside
+from embedq.format.files import read_json, stays_inside
 from embedq.format.scheme_units import unit_for
 
 CARD_NAME = "README.md"
@@ -130,16 +130,32 @@ def load_eval(value: Any) -> Any:
     if hasattr(value, "to_dict") and callable(value.to_dict):
         value = value.to_dict()
     if isinstance(value, (dict, list)):
-        return _publishable(json.loads(json.dumps(value, default=_json_default)))
-    p = Path(value)
-    if p.is_dir():
-        p = p / EVAL_NAME
+        where = "eval results"
+        try:
+            data = json.loads(json.dumps(value, default=_json_default))
+        except RecursionError:
+            raise CardError(f"{where}: nested too deeply to be eval results") from None
+    else:
+        p = Path(value)
+        if p.is_dir():
+            p = p / EVAL_NAME
+        where = str(p)
+        # the shared reader: a missing file, bad UTF-8, NaN/Infinity, nesting -> one CardError
+        data = read_json(p, CardError, missing="eval results file not found", what="eval results file",
+                         max_bytes=_EVAL_MAX_BYTES)
     try:
-        return _publishable(json.loads(p.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        raise CardError(f"{p}: eval results file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CardError(f"{p}: eval results are not valid JSON ({e})") from None
+        # A card must not publish nan / inf (a NaN-free JSON can still say 1e999).
+        json.dumps(data, allow_nan=False)
+        return _publishable(data)
+    except ValueError:
+        raise CardError(f"{where}: eval results hold a non-finite number (NaN or Infinity); "
+                        "rerun `embedq eval --json`") from None
+    except RecursionError:
+        raise CardError(f"{where}: nested too deeply to be eval results") from None
+
+
+# `embedq eval --json` writes a few KiB; a bound keeps a hostile file from filling memory.
+_EVAL_MAX_BYTES = 16 << 20
 
 
 _PATH_KEYS = ("path", "reference", "folder", "overlay", "output")

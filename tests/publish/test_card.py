@@ -204,7 +204,7 @@ def test_bad_inputs_one_line(derive, model_factory, tmp_path):
     bad.write_text("{nope")
     r = CliRunner().invoke(app, ["quantize", str(src), "--output", str(tmp_path / "o"),
                                  "--eval", str(bad), "-q"])
-    assert r.exit_code == 2 and "bad.json: eval results are not valid JSON" in r.output
+    assert r.exit_code == 2 and "bad.json: not valid JSON" in r.output
     with pytest.raises(CardError, match="base_model_relation needs a base_model"):
         validate_metadata({"base_model_relation": "quantized"})
     with pytest.raises(CardError, match="not one of"):
