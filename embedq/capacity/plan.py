@@ -118,7 +118,13 @@ def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str
         raise PlanError("--max-num-batched-tokens and --max-num-seqs must be positive")
     if block_size is not None and (block_size < 1 or block_size % KERNEL_ALIGN):
         raise PlanError(f"--block-size {block_size}: expected a multiple of {KERNEL_ALIGN}")
+    # Checked here, not left to the arithmetic: 0 would read as "not given" below, and a
+    # negative length as a config without max_position_embeddings.
+    if max_model_len is not None and max_model_len < 1:
+        raise PlanError(f"--max-model-len {max_model_len}: expected a positive number of tokens")
     mem = parse_bytes(gpu_mem)
+    if mem <= 0:
+        raise PlanError(f"--gpu-mem {gpu_mem}: expected a positive size (e.g. 32GiB)")
     given = None
     if weights_gib is not None:
         # a bare number is GiB, as the option's name says
@@ -131,7 +137,7 @@ def plan(path: str | os.PathLike, gpu_mem: str | int = "32GiB", *, kv_dtype: str
     if kvd not in KV_BYTES:
         raise PlanError(f"--kv-dtype {kv_dtype}: expected fp8, bf16, fp16 or auto")
     kvb = KV_BYTES[kvd]
-    max_len = int(max_model_len or layout.max_position_embeddings or 0)
+    max_len = int(max_model_len if max_model_len is not None else layout.max_position_embeddings or 0)
     if max_len <= 0:
         raise PlanError(f"{src.config_where}: no max_position_embeddings; pass --max-model-len")
     if given is not None:
