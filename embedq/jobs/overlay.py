@@ -164,6 +164,25 @@ def compile_min_bytes() -> int:
     return int(v) if v else COMPILE_MIN_BYTES
 
 
+def check_scales(scale: torch.Tensor, row0: int, where: str, p: ModulePlan) -> None:
+    """Raise SchemeError naming the first row whose stored scale is not finite.
+
+    A pass over the scales only (1/group_size of the table), so it runs on every chunk."""
+    if bool(torch.isfinite(scale).all()):
+        return
+    bad = ~torch.isfinite(scale.reshape(scale.shape[0], -1))
+    row = row0 + int(bad.any(dim=-1).nonzero()[0, 0])
+    dt = DTYPE_NAMES[p.scale_dtype]
+    if p.scale_dtype.itemsize < 4:
+        fix = "use --scale-dtype float32"
+    elif not p.scheme.symmetric:
+        fix = "quantize it symmetric (drop --asym) or fix the table's values"
+    else:
+        fix = "fix or re-export the table's values"
+    raise SchemeError(f"{where}: row {row}: its {dt} quantization scale overflows (the row's "
+                      f"values are too large for the {dt} scale); {fix}")
+
+
 def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsWriter,
                   out_hash: dict, stats: ErrorStats, chunk_rows: int, bar=None,
                   compiled: bool | None = None, calibration=None) -> str:
@@ -204,6 +223,10 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
         if rtn and not stats_finite(st):
             with stage("finite check (suspect chunk only)"):
                 check_finite(x, r0, where)
+        # A finite source can still overflow the stored scale (a narrower --scale-dtype, or
+        # an asymmetric range max-min past float32): such an overlay dequantizes to inf/NaN
+        # and verify refuses it, so refuse it here, before anything is committed.
+        check_scales(scale, r0, where, p)
         stats.add(*st, x.numel())
         testpoint.reached("stream")
         if bar is not None:
@@ -231,4 +254,4 @@ def stream_module(ckpt: Checkpoint, p: ModulePlan, writer: StreamingSafetensorsW
                         precheck=not rtn, digest=new_hasher(DIGEST)).run()
 
 
-__all__ = ["ModulePlan", "plan_modules", "write_overlay", "stream_module", "compile_min_bytes"]
+__all__ = ["ModulePlan", "plan_modules", "write_overlay", "stream_module", "check_scales", "compile_min_bytes"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -20,6 +21,16 @@ class ModuleReport:
     rel_rms_error: float | None = None
     role: str = "embedding"
     aliases: list[str] = field(default_factory=list)
+
+
+def _finite_or_null(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_null(x) for x in v]
+    return v
 
 
 @dataclass
@@ -55,7 +66,9 @@ class Report:
         return d
 
     def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), indent=2, **kw)
+        # JSON has no NaN/Infinity (json.dumps would emit them and break every strict
+        # parser): a non-finite number, e.g. an error statistic that overflowed, is null.
+        return json.dumps(_finite_or_null(self.to_dict()), indent=2, allow_nan=False, **kw)
 
     def table(self) -> str:
         head = ["module", "shape", "scheme", "MB before", "MB after", "max err", "rms err"]
