@@ -2,42 +2,43 @@
 
 The overlay tensors are already compressed-tensors ``pack-quantized``; only the
 config differs. Stock compressed-tensors has no notion of a tied head reading a
-quantized table or of zero points on an embedding, so those cases are refused
-(zero points by :class:`embedq.jobs.recipe.QuantizeRecipe`, ties here).
+quantized table, of zero points on an embedding, or of a second quantization method
+beside it, so those cases are refused (zero points and ``--overlay-only`` by
+:class:`embedq.jobs.recipe.QuantizeRecipe`, the rest by :func:`refuse_early`) before
+anything is written; the config itself is built inside the derived checkpoint's
+staging folder (:func:`ct_quantization_config`), so a refusal there still leaves an
+earlier output untouched.
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 from embedq.errors import SchemeError
-from embedq.format.checkpoint import CONFIG_NAME, QCONFIG_NAME, Checkpoint, read_json
-from embedq.format.config import read_config_file
-from embedq.format.files import write_json_atomic
+from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
 
 
-def refuse_tied(ckpt: Checkpoint, tied: bool, aliases: dict) -> None:
-    """Refuse a tied model before anything is written."""
+def refuse_early(ckpt: Checkpoint, base_qc: dict | None, tied: bool, aliases: dict) -> None:
+    """Refuse, before anything is written, what a pure compressed-tensors config cannot say."""
+    where = ckpt.path / CONFIG_NAME
+    if base_qc:
+        method = base_qc.get("quant_method") if isinstance(base_qc, dict) else None
+        raise SchemeError(
+            f"{where}: --format compressed-tensors: the checkpoint already has a quantization_config "
+            f"({method!r}); a pure compressed-tensors config cannot describe both — drop --format "
+            "(the default embedq format, served with the embedq plugin) or quantize an unquantized source")
     if tied or aliases:
         raise SchemeError(
-            f"{ckpt.path / CONFIG_NAME}: tied embeddings: stock vLLM cannot run a tied lm_head on a "
+            f"{where}: tied embeddings: stock vLLM cannot run a tied lm_head on a "
             "compressed-tensors embedding table; use the default embedq format (vLLM plugin)")
 
 
-def to_compressed_tensors(output: Path, report) -> None:
-    """Give the derived checkpoint at ``output`` a pure compressed-tensors ``quantization_config``."""
-    out = Path(output)
+def ct_quantization_config(ckpt: Checkpoint, qconfig: dict) -> dict:
+    """The compressed-tensors ``quantization_config`` of the embedq ``qconfig``, or a SchemeError
+    (one line naming the source's config) for what :func:`refuse_early` could not see."""
+    from embedq.format.compressed_tensors import compressed_tensors_config
     try:
-        from embedq.format.compressed_tensors import compressed_tensors_config
-        ct = compressed_tensors_config(read_config_file(out / QCONFIG_NAME))
+        return compressed_tensors_config(qconfig)
     except ValueError as e:
-        shutil.rmtree(out, ignore_errors=True)
-        raise SchemeError(f"--format compressed-tensors: {e}") from None
-    cfg = read_json(out / CONFIG_NAME)
-    cfg["quantization_config"] = ct
-    write_json_atomic(out / CONFIG_NAME, cfg)
-    report.mode = "derived (compressed-tensors)"
+        raise SchemeError(f"{ckpt.path / CONFIG_NAME}: --format compressed-tensors: {e}") from None
 
 
-__all__ = ["refuse_tied", "to_compressed_tensors"]
+__all__ = ["refuse_early", "ct_quantization_config"]

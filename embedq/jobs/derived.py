@@ -23,6 +23,7 @@ from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter, fsync_dir
 from embedq.jobs import testpoint
 from embedq.jobs.card import check_card_inputs, write_card
+from embedq.jobs.compressed_tensors import ct_quantization_config
 from embedq.jobs.overlay import write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
 from embedq.jobs.report import Report
@@ -74,6 +75,9 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
         writer.commit()
         qconfig = build_config(entries, tied, aliases, base_qc)
         parse_config(qconfig, str(output / QCONFIG_NAME))  # what readers will accept
+        compressed = recipe.format == "compressed-tensors"
+        # Built here, inside the staging folder: a refusal leaves an older output in place.
+        served_qc = ct_quantization_config(ckpt, qconfig) if compressed else qconfig
         sources = {p.tensor for p in plans}
         # Tensors loaders must no longer see: the quantized float tables, and a
         # tied head's duplicate of the embedding.
@@ -83,7 +87,7 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
         else:
             _write_weights(ckpt, stage, drop, writer)
             config = dict(ckpt.config)
-            config["quantization_config"] = qconfig
+            config["quantization_config"] = served_qc
             write_json_atomic(stage / QCONFIG_NAME, qconfig)
             for f in sorted(ckpt.path.iterdir()):
                 if f.name in SKIP_FILES or f.name.startswith(".") or f.suffix == ".safetensors" \
@@ -92,7 +96,9 @@ def write_derived(ckpt: Checkpoint, plans, aliases: dict[str, str], tied: bool,
                 if f.is_file() and stays_inside(ckpt.path, f):
                     shutil.copy2(f, stage / f.name)
             write_json_atomic(stage / CONFIG_NAME, config)
-        report = Report(str(ckpt.path), "overlay-only" if overlay_only else "derived", reports, tied,
+        mode = "overlay-only" if overlay_only else (
+            "derived (compressed-tensors)" if compressed else "derived")
+        report = Report(str(ckpt.path), mode, reports, tied,
                         overlay=str(output / OVERLAY_NAME), output=str(output))
         # Inputs of the model card (embedq.jobs.card reads them from here).
         report.extra.update({k: v for k, v in (("base_model", recipe.base_model),

@@ -20,7 +20,7 @@ from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, is_head_name
 from embedq.format.files import check_writable
 from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
-from embedq.jobs.compressed_tensors import refuse_tied, to_compressed_tensors
+from embedq.jobs.compressed_tensors import refuse_early
 from embedq.jobs.derived import check_output, write_derived
 from embedq.jobs.overlay import plan_modules, write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
@@ -49,10 +49,8 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
         ckpt = Checkpoint.open(path)
     if recipe.output is not None:  # the source is only read (it may be a read-only cache)
         check_output(ckpt.path, recipe.output, recipe.force)
-        report = _quantize(ckpt, t0, recipe, calibration)
-        if recipe.format == "compressed-tensors":
-            to_compressed_tensors(recipe.output, report)
-        return report
+        # --format compressed-tensors is converted inside write_derived's staging folder
+        return _quantize(ckpt, t0, recipe, calibration)
     with state.folder_lock(ckpt.path, "quantize"):
         return _quantize(ckpt, t0, recipe, calibration)
 
@@ -66,8 +64,8 @@ def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) 
         plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=r.lm_head, head_scheme=head_scheme,
                                             targets=list(r.targets) if r.targets else None, trust=r.trust,
                                             fit_default=r.fit_default)
-    if r.format == "compressed-tensors":
-        refuse_tied(ckpt, tied, aliases)
+    if r.format == "compressed-tensors":  # before anything is written: an older output stays
+        refuse_early(ckpt, base_qc, tied, aliases)
     for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
         if p.scheme.method == "gptq" and p.role != "head" and not any(
                 is_head_name(a) for a in p.aliases):
