@@ -71,6 +71,8 @@ def quantize(path: str | os.PathLike, bits: int | None = None, *,
         recipe = QuantizeRecipe.from_options(bits, **options)
     elif bits is not None or options:
         raise TypeError("embedq.quantize: pass a recipe or options, not both")
+    elif not isinstance(recipe, QuantizeRecipe):
+        raise TypeError(f"embedq.quantize: recipe must be a QuantizeRecipe, got {type(recipe).__name__}")
     if recipe.search is not None:
         from embedq.quality.select import quantize_auto
         return quantize_auto(path, recipe)[0]

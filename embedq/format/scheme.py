@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, replace
 
 from embedq.errors import SchemeError
@@ -19,6 +20,10 @@ DEFAULT_SCHEMES: dict[int, tuple[int | None, bool]] = {
     b: (u.default_group, u.default_symmetric) for b, u in sorted(UNITS.items(), reverse=True)}
 DEFAULT_METHOD = "rtn"
 DEFAULT_GROUP = {b: g for b, (g, _) in DEFAULT_SCHEMES.items()}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class RowsCols:
@@ -60,6 +65,20 @@ class Scheme:
     scale_dtype: str | None = None  # None: the source dtype
 
     def __post_init__(self) -> None:
+        # Types first: a Scheme is also built from Python (embedq.quantize), where a float,
+        # a string or a truthy "no" would otherwise fail deep inside torch, or silently.
+        if not _is_int(self.bits):
+            raise SchemeError(f"bits {self.bits!r}: must be an integer "
+                              f"({' or '.join(map(str, SUPPORTED_BITS))})")
+        if not isinstance(self.symmetric, bool):
+            raise SchemeError(f"symmetric {self.symmetric!r}: must be True or False")
+        if self.group_size is not None and not _is_int(self.group_size):
+            raise SchemeError(f"group_size {self.group_size!r}: must be an integer (0 or None: per row)")
+        if not isinstance(self.method, str):
+            raise SchemeError(f"method {self.method!r}: must be a string ({', '.join(METHODS)})")
+        if self.scale_dtype is not None and not isinstance(self.scale_dtype, str):
+            raise SchemeError(f"scale_dtype {self.scale_dtype!r}: must be a dtype name "
+                              f"({', '.join(sorted(ST_FLOAT_NAMES.values()))}) or None")
         if self.bits not in SUPPORTED_BITS:
             raise SchemeError(f"--bits {self.bits} is not supported (choose {' or '.join(map(str, SUPPORTED_BITS))})")
         if self.group_size is not None and (self.group_size < 8 or self.group_size % 8):

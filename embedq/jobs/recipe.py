@@ -13,6 +13,8 @@ its flag in ``embedq/cli/app.py:quantize``, and a test (docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,11 @@ class SchemeSearch:
     max_kld: float = AUTO_MAX_KLD
     method: str | None = None  # None: gptq when a head reads the table, else mse
     scale_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        k = self.max_kld
+        if not isinstance(k, numbers.Real) or isinstance(k, bool) or not math.isfinite(k) or k <= 0:
+            raise SchemeError(f"--max-kld {k!r}: must be a positive number (nats per token)")
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,27 @@ class QuantizeRecipe:
     calibration: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Types first (embedq.quantize passes Python values straight in): a wrong type
+        # fails here, named, not deep inside the job.
+        for k in ("scheme", "head_scheme"):
+            v = getattr(self, k)
+            if v is not None and not isinstance(v, Scheme):
+                raise SchemeError(f"{k} {v!r}: must be an embedq Scheme or None")
+        for k in ("fit_default", "lm_head", "overlay_only", "force", "progress"):
+            if not isinstance(getattr(self, k), bool):
+                raise EmbedqError(f"{k} {getattr(self, k)!r}: must be True or False")
+        if self.search is not None and not isinstance(self.search, SchemeSearch):
+            raise SchemeError(f"search {self.search!r}: must be a SchemeSearch or None")
         if self.targets is not None:
-            object.__setattr__(self, "targets", tuple(self.targets))
+            # one name, not its characters
+            targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+            try:
+                targets = tuple(targets)
+            except TypeError:
+                raise EmbedqError(f"targets {self.targets!r}: must be a tensor name or a list of them") from None
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise EmbedqError(f"targets {self.targets!r}: must be a tensor name or a list of them")
+            object.__setattr__(self, "targets", targets)
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
         c = self.chunk_rows
@@ -84,6 +110,9 @@ class QuantizeRecipe:
         if self.format == "compressed-tensors":
             if self.output is None:
                 raise SchemeError("--format compressed-tensors writes a derived checkpoint: pass --output DIR")
+            if self.overlay_only:  # the format lives in config.json, which a bundle has not
+                raise SchemeError("--format compressed-tensors writes a full derived checkpoint (its "
+                                  "config.json carries the format); drop --overlay-only or --format")
             if not self.scheme.symmetric:
                 raise SchemeError("--format compressed-tensors: stock vLLM serves only symmetric embedding "
                                   "tables; drop --asym or use the default embedq format")
