@@ -59,12 +59,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SCHEMES = {  # label -> embedq CLI flags
-    "int8 per-row": ["--bits", "8"],
+    "int8 per-row": ["--bits", "8", "--group-size", "0"],  # 0: per row (the 8-bit default is g64)
     "int8 g128": ["--bits", "8", "--group-size", "128"],
     "Q4 g32": ["--bits", "4", "--group-size", "32"],
 }
 PEER_SCHEMES = {  # label -> (embedq flags, llm-compressor weights args)
-    "W8 channel": (["--bits", "8"], {"num_bits": 8, "type": "int", "symmetric": True,
+    "W8 channel": (["--bits", "8", "--group-size", "0"], {"num_bits": 8, "type": "int", "symmetric": True,
                                      "strategy": "channel"}),
     "W4 g32": (["--bits", "4", "--group-size", "32"], {"num_bits": 4, "type": "int", "symmetric": True,
                                                       "strategy": "group", "group_size": 32}),
