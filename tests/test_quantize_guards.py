@@ -2,7 +2,8 @@
 
 Overflowing scales, non-finite numbers in ``--json``, ``--format compressed-tensors``
 refusals that destroyed an earlier output or came after writing, a verify that checked
-nothing, and Python values of the wrong type failing deep inside.
+nothing, Python values of the wrong type failing deep inside, head options ignored
+without ``--lm-head``, shards in sub-folders of a derived output, and odd ``--targets``.
 """
 
 from __future__ import annotations
@@ -200,3 +201,116 @@ def test_api_targets_string_is_one_name(model_factory):
     assert QuantizeRecipe(targets=EMB).targets == (EMB,)
     r = embedq.quantize(path, targets=EMB, progress=False)
     assert [m.tensor for m in r.modules] == [EMB]
+
+
+# --- head options, sub-folder shards, --targets ----------------------------------------------
+
+@pytest.mark.parametrize("opts", [("--head-bits", "4"), ("--head-group-size", "32")])
+def test_head_options_on_untied_model_need_lm_head(model_factory, opts):
+    path = model_factory("llama_untied_fp32")
+    before = snapshot(path)
+    code, out = run_cli("quantize", path, *opts, "-q")
+    assert_one_line_error(code, out, str(path / "config.json"), "--lm-head", opts[0])
+    assert snapshot(path) == before and not (path / ".embedq").exists()
+    code, out = run_cli("quantize", path, *opts, "--lm-head", "--json", "-q")
+    assert code == 0, out
+    assert [m["role"] for m in json.loads(out)["modules"]] == ["embedding", "head"]
+
+
+def test_tied_head_bits_still_unties(model_factory):
+    path = model_factory("qwen2_tied")
+    r = embedq.quantize(path, 8, head_bits=4, progress=False)
+    assert [m.role for m in r.modules] == ["embedding", "head"]
+
+
+def _encoder(tmp_path):
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4)
+    tf.BertModel(cfg).save_pretrained(tmp_path / "bert")
+    return tmp_path / "bert"
+
+
+@pytest.mark.parametrize("opts", [("--lm-head",), ("--head-bits", "4")])
+def test_head_options_on_model_without_head(tmp_path, opts):
+    path = _encoder(tmp_path)
+    before = snapshot(path)
+    code, out = run_cli("quantize", path, *opts, "-q")
+    assert_one_line_error(code, out, str(path / "config.json"), "no lm_head", "drop --lm-head")
+    assert "unexpected" not in out
+    assert snapshot(path) == before
+    assert run_cli("quantize", path, "-q")[0] == 0  # the embedding alone still quantizes
+
+
+def _move_shards(path, sub, shards):
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    (path / sub).mkdir(parents=True)
+    for f in shards:
+        (path / f).rename(path / sub / f)
+    index["weight_map"] = {k: f"{sub}/{v}" if v in shards else v for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("moved", ["embedding", "other", "both"])
+def test_derived_output_of_shards_in_sub_folders(model_factory, tmp_path, moved):
+    src = model_factory("llama_untied_sharded")
+    wm = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    emb_shard = wm[EMB]
+    assert list(wm.values()).count(emb_shard) == 1  # the shard holds only the embedding
+    other = next(v for v in sorted(set(wm.values())) if v not in (emb_shard, wm["lm_head.weight"]))
+    shards = {"embedding": [emb_shard], "other": [other], "both": [emb_shard, other]}[moved]
+    _move_shards(src, "a/b", shards)
+    out = tmp_path / "out"
+    code, text = run_cli("quantize", src, "-o", out, "-q")
+    assert code == 0, text
+    out_index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, f in out_index.items():
+        assert (out / f).is_file(), (name, f)
+    assert EMB not in out_index
+    dirs = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_dir())
+    assert dirs == ([] if moved == "embedding" else ["a", "a/b"])  # no empty folder left
+    assert (out / "a/b" / other).is_file() == (moved != "embedding")
+    assert run_cli("verify", out)[0] == 0
+
+
+TARGET_CASES = [
+    ("", "an empty name"),
+    (f"{EMB},", "an empty name"),
+    ("model.embed_tokens", f"did you mean {EMB}?"),
+    ("lm_head.weight", "is the output embedding"),
+    (f"lm_head.weight,{EMB}", "the input embedding comes first"),
+    (f"{EMB},{EMB}", f"names {EMB} twice"),
+    (f"{EMB},lm_head.weight,lm_head.weight", "3 names"),
+    ("model.norm.weight", "not an input or output embedding"),
+]
+
+
+@pytest.mark.parametrize("targets, problem", TARGET_CASES)
+def test_odd_targets_one_clear_line(model_factory, targets, problem):
+    path = model_factory("llama_untied_fp32")
+    before = snapshot(path)
+    code, out = run_cli("quantize", path, "--targets", targets, "--lm-head", "-q")
+    assert_one_line_error(code, out, str(path), problem)
+    if "did you mean" not in problem:
+        assert f"--targets {EMB}[,lm_head.weight]" in out  # what to pass
+    assert snapshot(path) == before and not (path / ".embedq").exists()
+
+
+def test_targets_with_spaces_work(model_factory):
+    path = model_factory("llama_untied_fp32")
+    code, out = run_cli("quantize", path, "--targets", f" {EMB} , lm_head.weight ", "--lm-head", "--json", "-q")
+    assert code == 0, out
+    assert [m["tensor"] for m in json.loads(out)["modules"]] == [EMB, "lm_head.weight"]
+
+
+@pytest.mark.parametrize("value", ["1GiB", "-5"])
+def test_bad_compile_min_bytes_is_one_line_before_writing(model_factory, monkeypatch, value):
+    path = model_factory("llama_untied_fp32")
+    before = snapshot(path)
+    monkeypatch.setenv("EMBEDQ_COMPILE_MIN_BYTES", value)
+    code, out = run_cli("quantize", path)
+    assert_one_line_error(code, out, "EMBEDQ_COMPILE_MIN_BYTES", repr(value), "unset it")
+    assert snapshot(path) == before

@@ -66,7 +66,7 @@ def quantize(
                  symmetric=None if asym is None else not asym, method=method,
                  scale_dtype=scale_dtype, head_bits=head_bits, head_group_size=head_group_size,
                  max_kld=max_kld, auto=auto, lm_head=lm_head,
-                 targets=targets.split(",") if targets else None,
+                 targets=[t.strip() for t in targets.split(",")] if targets is not None else None,
                  trust="config" if trust_config else "tensors" if trust_tensors else None,
                  output=output, overlay_only=overlay_only, force=force, format=fmt,
                  chunk_rows=chunk_rows, progress=not (quiet or as_json), base_model=base_model,

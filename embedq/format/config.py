@@ -99,6 +99,15 @@ class ModuleEntry(RowsCols):
         """The overlay tensors this entry declares: name -> (safetensors dtype, shape)."""
         return self.scheme.overlay_tensors(self.name, self.shape, SCALE_ST_NAMES[self.scale_dtype])
 
+    def require_checksums(self, where: str, fix: str) -> None:
+        """Refuse an entry without a recorded checksum for one of its tensors (every format
+        version records one per tensor; one missing, from an edited or truncated config,
+        would leave that tensor unchecked). ``fix``: what to do, for the message."""
+        missing = sorted(set(self.tensors()) - set(self.checksums))
+        if missing:
+            raise OverlayError(f"{where}: module {self.name}: no checksum recorded for {missing[0]}, "
+                               f"so the overlay cannot be checked; {fix}")
+
 
 @dataclass(frozen=True)
 class OverlayConfig:

@@ -203,6 +203,7 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     n, header = read_safetensors_header(ovfile)
     expected = {}
     for entry in qconfig.modules.values():
+        entry.require_checksums(qconfig.where, "re-create the overlay before publishing")
         expected.update(entry.checksums)
     with open(ovfile, "rb") as f:
         for k, want in expected.items():

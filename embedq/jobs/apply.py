@@ -113,6 +113,9 @@ def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force:
     ``force`` replaces an embedq overlay the base already has (like ``quantize --force``).
     """
     qconfig, ovfile = parse_bundle(overlay)
+    for entry in qconfig.modules.values():  # before the base is touched (even locked)
+        entry.require_checksums(qconfig.where, "re-create the bundle with embedq quantize "
+                                               "--overlay-only --force")
     base = Path(base)
     if base.exists() and base.resolve() == Path(overlay).resolve():
         raise OverlayError(f"{base}: the base and the overlay bundle are the same folder")

@@ -156,18 +156,25 @@ def _write_weights(ckpt: Checkpoint, stage: Path, drop: set[str], writer) -> Non
     files = ckpt.files()
     weight_map: dict[str, str] = {}
     total = 0
+    subfolders: set[Path] = set()  # shards the index names in sub-folders ("sub/x.safetensors")
     for f in files:
         names = [k for k, v in ckpt.weight_map.items() if v == f]
+        (stage / f).parent.mkdir(parents=True, exist_ok=True)
         if any(n in drop for n in names):
             sizes = rewrite_shard_without(ckpt.path / f, stage / f, drop)
-            if not sizes:  # the shard held nothing else
+            if not sizes:  # the shard held nothing else: neither it nor an emptied sub-folder stays
                 (stage / f).unlink()
+                for d in (stage / f).parents:
+                    if d == stage or any(d.iterdir()):
+                        break
+                    d.rmdir()
                 continue
         else:
             link_or_copy(ckpt.path / f, stage / f)
             _, header = ckpt.header(f)
             sizes = {k: v["data_offsets"][1] - v["data_offsets"][0]
                      for k, v in header.items() if k != "__metadata__"}
+        subfolders.update(d for d in (stage / f).parents if stage in d.parents)
         for k, s in sizes.items():
             weight_map[k] = f
             total += s
@@ -180,3 +187,5 @@ def _write_weights(ckpt: Checkpoint, stage: Path, drop: set[str], writer) -> Non
         meta = {k: v for k, v in ckpt.index["metadata"].items() if k != "total_parameters"}
         index["metadata"] = {**meta, "total_size": total}
     write_json_atomic(stage / INDEX_NAME, index)
+    for d in sorted(subfolders, key=lambda d: -len(d.parts)):  # their entries, deepest first
+        fsync_dir(d)

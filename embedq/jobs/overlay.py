@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from embedq.errors import CheckpointError, SchemeError
+from embedq.errors import CheckpointError, EmbedqError, SchemeError
 from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
 from embedq.format.codec import pack_zero_points, packed_zero_point_rows
 from embedq.format.config import module_entry
@@ -69,7 +69,8 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
     """
     t, tied_cfg = find_targets(ckpt, targets)
     identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
-    tied = resolve_ties(t, tied_cfg, identical, trust, str(ckpt.path / CONFIG_NAME))
+    where = str(ckpt.path / CONFIG_NAME)
+    tied = resolve_ties(t, tied_cfg, identical, trust, where)
     emb_mod = _strip_weight(t.embedding)
     plans = [ModulePlan(emb_mod, t.embedding, scheme, "embedding")]
     aliases: dict[str, str] = {}
@@ -80,7 +81,13 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
             plans.append(ModulePlan(t.head_module, t.embedding, head_scheme, "head"))
         else:
             aliases[t.head_module] = emb_mod
-    elif lm_head:
+    elif lm_head or head_scheme is not None:
+        if t.head is None:  # not tied, no head tensor: the model has no output embedding
+            raise EmbedqError(f"{where}: this model has no lm_head (output embedding) to quantize; "
+                              "drop --lm-head/--head-bits/--head-group-size")
+        if not lm_head:  # the head options would be ignored: the head stays float
+            raise EmbedqError(f"{where}: the model is untied, its head {t.head} is quantized only with "
+                              "--lm-head; add --lm-head, or drop --head-bits/--head-group-size")
         plans.append(ModulePlan(_strip_weight(t.head), t.head, head_scheme or scheme, "head"))
     for extra in t.extra_embeddings:
         if ckpt.tensors_identical(t.embedding, extra):
@@ -104,6 +111,7 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
                   chunk_rows: int | None = None, progress: bool = True, calibration=None
                   ) -> tuple[StreamingSafetensorsWriter, dict[str, dict], list[ModuleReport]]:
     """Stream every planned module into ``dest`` (finished, fsynced, not yet renamed)."""
+    min_bytes = compile_min_bytes()  # a bad value refused before anything is written
     declared: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for p in plans:
         declared.update(p.overlay_tensors())
@@ -118,7 +126,7 @@ def write_overlay(ckpt: Checkpoint, plans: list[ModulePlan], dest: Path, metadat
     # (cached on disk) is always used.
     with stage("kernel: load (build once)"):
         fast = all(native_ready(p.dtype) for p in plans if p.scheme.method == "rtn")
-    compiled = None if fast or total >= compile_min_bytes() else False
+    compiled = None if fast or total >= min_bytes else False
     try:
         for p in plans:
             rows, cols = p.shape
@@ -161,7 +169,16 @@ COMPILE_MIN_BYTES = 1 << 30
 
 def compile_min_bytes() -> int:
     v = os.environ.get("EMBEDQ_COMPILE_MIN_BYTES")
-    return int(v) if v else COMPILE_MIN_BYTES
+    if not v:
+        return COMPILE_MIN_BYTES
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise EmbedqError(f"EMBEDQ_COMPILE_MIN_BYTES={v!r}: expected a number of bytes (0 or more, "
+                          "e.g. 1073741824); unset it for the default (1 GiB)")
+    return n
 
 
 def check_scales(scale: torch.Tensor, row0: int, where: str, p: ModulePlan) -> None:

@@ -91,7 +91,8 @@ class QuantizeRecipe:
                 targets = tuple(targets)
             except TypeError:
                 raise EmbedqError(f"targets {self.targets!r}: must be a tensor name or a list of them") from None
-            if not targets or not all(isinstance(t, str) and t for t in targets):
+            # an empty name is refused with the model's own targets (jobs/targets.py)
+            if not targets or not all(isinstance(t, str) for t in targets):
                 raise EmbedqError(f"targets {self.targets!r}: must be a tensor name or a list of them")
             object.__setattr__(self, "targets", targets)
         if self.output is not None:

@@ -190,22 +190,11 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
     """
     tied_cfg = config_tie_flag(ckpt)
     if override:
-        if len(override) > 2:
-            raise CheckpointError(f"--targets takes the embedding tensor and optionally the head tensor, "
-                                  f"got {len(override)} names ({', '.join(override)})")
-        for n in override:
-            ckpt.tensor(n)  # raises with the file name if missing
         try:
             auto = _discover(ckpt, tied_cfg)
         except CheckpointError:
             auto = None
-        allowed = candidate_tensors(ckpt)
-        if auto is not None:
-            allowed |= {x for x in (auto.embedding, auto.head, *auto.extra_embeddings) if x}
-        for n in override:
-            if n not in allowed:
-                raise CheckpointError(f"{ckpt.path}: --targets {n} is not an input or output embedding "
-                                      "(or MTP/draft table) of this model; embedq quantizes only those")
+        _check_override(ckpt, list(override), auto)
         emb = override[0]
         if len(override) > 1:
             head = override[1]
@@ -218,6 +207,42 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         t = _discover(ckpt, tied_cfg)
     _check_vocab(ckpt, t.embedding)
     return t, tied_cfg
+
+
+def _check_override(ckpt: Checkpoint, names: list[str], auto: Targets | None) -> None:
+    """Refuse a ``--targets`` list that is not ``embedding[,head]`` of this model, each
+    message saying what to pass (the model's own targets, when they are known)."""
+    given = f"{ckpt.path}: --targets {','.join(names)!r}"
+    if auto is not None:
+        fix = f"pass --targets {auto.embedding}" + (f"[,{auto.head}]" if auto.head else "")
+    else:
+        fix = "pass the input embedding's tensor name, optionally a comma and the head's (as in the checkpoint)"
+    if len(names) > 2:
+        raise CheckpointError(f"{given}: {len(names)} names; it takes the embedding tensor and optionally "
+                              f"the head tensor: {fix}")
+    if "" in names:
+        raise CheckpointError(f"{given}: an empty name (a stray comma?); {fix}")
+    if len(set(names)) < len(names):
+        raise CheckpointError(f"{given}: names {names[0]} twice; {fix}")
+    for n in names:
+        if not ckpt.has(n):
+            hint = f"did you mean {n}.weight?" if ckpt.has(n + ".weight") else fix
+            raise CheckpointError(f"{ckpt.path}: no tensor {n!r} in the checkpoint (--targets); {hint}")
+        ckpt.tensor(n)  # its shard holds it (the error names the file)
+    allowed = candidate_tensors(ckpt)
+    if auto is not None:
+        allowed |= {x for x in (auto.embedding, auto.head, *auto.extra_embeddings) if x}
+    for n in names:
+        if n not in allowed:
+            raise CheckpointError(f"{ckpt.path}: --targets {n} is not an input or output embedding "
+                                  f"(or MTP/draft table) of this model; embedq quantizes only those: {fix}")
+    first = names[0]
+    # the model's own targets decide where they are known (a table saved under a head's name
+    # may be its only embedding); the names' patterns only where they are not
+    if (first == auto.head and first != auto.embedding) if auto is not None else (
+            any(re.search(p, first) for p in HEAD_PATTERNS) and not any(re.search(p, first) for p in EMBED_PATTERNS)):
+        raise CheckpointError(f"{given}: {first} is the output embedding (the head); the input embedding "
+                              f"comes first: {fix}")
 
 
 def _check_vocab(ckpt: Checkpoint, emb: str) -> None:

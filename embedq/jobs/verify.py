@@ -80,13 +80,8 @@ def verify_overlay(path: str | os.PathLike) -> Report:
     reports = []
     with safe_open(str(file), framework="pt") as f:
         for name, entry in cfg.modules.items():
-            # Every format version records a checksum of every overlay tensor; one missing
-            # (an edited or truncated config) would leave the tensor unchecked, so it fails
-            # rather than letting "overlay OK" stand on nothing.
-            missing = sorted(set(entry.tensors()) - set(entry.checksums))
-            if missing:
-                raise OverlayError(f"{cfg.where}: module {name}: no checksum recorded for {missing[0]}, so "
-                                   "the overlay cannot be verified; re-run embedq quantize --force")
+            # fails rather than letting "overlay OK" stand on an unchecked tensor
+            entry.require_checksums(cfg.where, "re-run embedq quantize --force")
             for tname, digest in entry.checksums.items():
                 got = hexdigest(f.get_tensor(tname).contiguous().view(torch.uint8).numpy(), cfg.digest)
                 if got != digest:

@@ -83,6 +83,28 @@ def test_apply_refuses_corrupt_bundle(model_factory, derive):
     assert snapshot(base) == before
 
 
+@pytest.mark.parametrize("drop", ["one", "all"])
+def test_apply_refuses_bundle_without_a_checksum(model_factory, derive, drop):
+    _, bundle, _ = derive("llama_untied_sharded", overlay_only=True, lm_head=True)
+    qfile = bundle / "quantization_config.json"
+    qc = json.loads(qfile.read_text())
+    sums = qc["modules"]["lm_head"]["checksums"]
+    if drop == "all":
+        sums.clear()
+    else:
+        del sums["lm_head.weight_scale"]
+    qfile.write_text(json.dumps(qc))
+    base = model_factory("llama_untied_sharded")
+    before = snapshot(base)
+    r = CliRunner().invoke(app, ["apply", str(base), "--overlay", str(bundle)])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"{qfile}: module lm_head: no checksum recorded for lm_head.weight_" in line
+    assert "--overlay-only" in line
+    assert snapshot(base) == before and not (base / ".embedq").exists()
+
+
 def test_apply_existing_overlay_needs_force(model_factory, derive):
     _, bundle, _ = derive("qwen2_tied", bits=4, overlay_only=True)
     base = model_factory("qwen2_tied")

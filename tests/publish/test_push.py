@@ -221,3 +221,16 @@ def test_config_quantization_config_not_an_object(derive):
     r = CliRunner().invoke(app, ["push", str(out), "--repo-id", "me/x", "--dry-run"])
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert r.output.strip() == f'embedq: error: {out / "config.json"}: quantization_config is "x", expected an object'
+
+
+def test_refuses_a_bundle_without_a_checksum(derive):
+    """push checks every overlay tensor before uploading: a config whose checksum for one
+    tensor was dropped would publish that tensor unchecked."""
+    _, bundle, _ = derive("qwen2_tied", overlay_only=True)
+    qfile = bundle / "quantization_config.json"
+    qc = json.loads(qfile.read_text())
+    mod = next(iter(qc["modules"].values()))
+    mod["checksums"].pop(next(iter(mod["checksums"])))
+    qfile.write_text(json.dumps(qc))
+    with pytest.raises(EmbedqError, match="no checksum recorded for .*re-create the overlay before publishing"):
+        push(bundle, "me/x", dry_run=True)
