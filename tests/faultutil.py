@@ -151,7 +151,7 @@ def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
         assert r.returncode == -signal.SIGKILL, (at, r.stderr)
         now = view(tree(dest))
         assert now in (view(old), view(new), *map(view, also)), \
-            (at, sorted(set(now.items()) ^ set(view(old).items())))
+            (at, sorted(set(now.items()) ^ set(view(old).items()), key=str))
         if extra:
             extra(at)
         if _settled(tree(dest)) == _settled(new):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from typer.testing import CliRunner
 
 import embedq
@@ -45,3 +47,21 @@ def test_demo_reuses_its_own_folder(tmp_path):
     r = runner.invoke(app, ["demo", "--dir", str(tmp_path), "--bits", "4"])
     assert r.exit_code == 0, r.output
     assert "int4" in r.stdout
+
+
+def test_an_interrupted_build_leaves_no_half_model(tmp_path, monkeypatch):
+    """Ctrl-C while the model is saved: no demo-model without its marker stays behind (it
+    would be refused as a user's folder), and the next run builds and quantizes it."""
+    import embedq.cli.demo as demo
+    real = demo.build_demo_model
+
+    def interrupted(path, seed=0):
+        real(path, seed)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(demo, "build_demo_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == []
+    monkeypatch.undo()
+    assert runner.invoke(app, ["demo", "--dir", str(tmp_path)]).exit_code == 0
+    assert (tmp_path / "demo-model" / DEMO_MARKER).is_file()

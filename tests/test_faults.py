@@ -91,23 +91,29 @@ def test_quantize_killed_at_every_commit(bundle, tmp_path, where):
 def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
     """``quantize --force`` over an in-place overlay of other settings: after a kill a loader
     reads the old overlay, the new one, or (between the two) the original model; never the
-    old settings in config.json over the new tables."""
+    old settings (config.json's or quantization_config.json's) over the new tables."""
     src, _, _ = bundle
+    pristine = tree(src)
     first, model = tmp_path / "first", tmp_path / "model"
     _fresh(src, first)()
     assert embedq("quantize", first, "-q", "--lm-head", "--bits", "8").returncode == 0
     reset = _fresh(first, model)
     args = ("quantize", model, "-q", "--lm-head", "--bits", "4", "--force")
     old, new = tree(first), _clean_run(reset, model, *args)
-    original = tree(src)["config.json"]
-    switch = ("config.json", "embedq.safetensors", "quantization_config.json")
+    original = pristine["config.json"]
+    qc = "quantization_config.json"
+    switch = ("config.json", "embedq.safetensors", qc)
 
     def view(t):
-        if t.get("config.json") == original:  # overlay invisible: loaders read the original
-            return {"config.json": original}
+        if t.get("config.json") == original:  # config.json off: what embedq.load pairs with the
+            return {k: v for k, v in t.items() if k in ("config.json", qc)}  # tables: quantization_config.json
         return {**loaded_view(t), **{k: t.get(k) for k in switch}}
-    assert sweep(args, model, reset, old, new, view=view, also=({"config.json": original},)) >= 1
-    assert tree(src) == tree(src) and not leftovers(tmp_path)
+    # the old overlay as config.json names it (its quantization_config.json gone first), the
+    # original model with neither or with the new config beside the new tables
+    between = ({k: v for k, v in old.items() if k != qc}, {"config.json": original},
+               {"config.json": original, qc: new[qc]})
+    assert sweep(args, model, reset, old, new, view=view, also=between) >= 1
+    assert tree(src) == pristine and not leftovers(tmp_path)
 
 
 def test_card_killed(bundle, tmp_path):

@@ -116,3 +116,19 @@ def test_config_json_quantization_config_must_match(model_factory, tmp_path, bro
     one_error(*cli("verify", derived), where)
     one_error(*cli("push", derived, "--repo-id", "me/x", "--dry-run"), where)
     assert snapshot(derived) == before
+
+
+@pytest.mark.parametrize("name", ["embedq.safetensors", "quantization_config.json"])
+def test_broken_link_inside_the_folder_is_replaced(model_factory, name):
+    """A link inside the folder that points nowhere holds nothing an overlay could destroy:
+    quantize in place replaces it (it was refused as 'not a regular file'), remove restores."""
+    path = model_factory(KIND)
+    pristine = {k: v for k, v in tree(path).items()}
+    (path / name).symlink_to("gone.bin")
+    code, out = cli("quantize", path, "-q")
+    assert code == 0, out
+    assert (path / name).is_file() and not (path / name).is_symlink()
+    embedq.verify(path)
+    code, out = cli("remove", path)
+    assert code == 0, out
+    assert tree(path) == pristine

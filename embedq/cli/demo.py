@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ DEMO_MARKER = ".embedq-demo"
 
 def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
     from embedq.errors import EmbedqError
+    from embedq.format import staging
     from embedq.jobs.quantize import quantize_checkpoint
     from embedq.jobs.recipe import QuantizeRecipe
     from embedq.jobs.verify import verify_overlay
@@ -35,10 +37,20 @@ def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
     model = base / "demo-model"
     if not (model / DEMO_MARKER).is_file():
         if model.is_symlink() or model.exists() and (not model.is_dir() or any(model.iterdir())):
-            raise EmbedqError(f"{model}: already exists and was not made by `embedq demo`; refusing to "
-                              "quantize it (pick another --dir or remove it)")
-        build_demo_model(model)
-        (model / DEMO_MARKER).write_text("made by `embedq demo`; a rerun may re-quantize this folder\n")
+            raise EmbedqError(f"{model}: already exists and was not made by `embedq demo` (no {DEMO_MARKER} "
+                              "marker: a folder of yours, or of an older embedq); refusing to quantize it "
+                              "(pick another --dir or remove it)")
+        # built in a staging folder, marked, then renamed: a Ctrl-C or kill mid-build leaves
+        # no half-built demo-model (the next run clears the staging folder), only a whole one
+        staging.clean_leftovers(base)
+        with staging.staging_dir(base, "demo", output=model) as tmp:
+            build_demo_model(tmp / "m")
+            (tmp / "m" / DEMO_MARKER).write_text("made by `embedq demo`; a rerun may re-quantize this folder\n")
+            staging.fsync_dir(tmp / "m")
+            if model.is_dir():
+                model.rmdir()  # empty (checked above)
+            os.rename(tmp / "m", model)
+            staging.fsync_dir(base)
     report = quantize_checkpoint(model, recipe)
     verify_overlay(model)
     return report

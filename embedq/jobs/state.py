@@ -6,10 +6,10 @@ Commit order (config.json is the commit point):
 2. the finished overlay is renamed to ``embedq.safetensors``;
 3. ``quantization_config.json``, then the index, then ``config.json`` are replaced
    atomically.
-An overlay committed earlier is switched off first (config.json back to the original),
-so a crash anywhere leaves the old overlay (before that switch), the original config.json
-(the overlay is invisible to loaders, and the next run or ``remove`` cleans up) or the
-complete new overlay.
+An overlay committed earlier is switched off first (its ``quantization_config.json``
+removed, then config.json back to the original), so a crash anywhere leaves the old
+overlay (before that switch), the original config.json (the overlay is invisible to
+loaders, and the next run or ``remove`` cleans up) or the complete new overlay.
 
 A downloaded folder may carry a ``.embedq/`` of its own, so nothing in it is trusted
 blindly (docs/security.md): ``state.json`` may name only the two files embedq backs up,
@@ -296,14 +296,16 @@ def check_slots(path: Path) -> None:
             continue
         if p.is_symlink() and not stays_inside(path, p):
             problem = "a link out of the folder"
+        elif p.is_symlink() and not p.exists():
+            continue  # a broken link inside the folder: it holds nothing; the commit replaces it
         elif not p.is_file():
             problem = "not a regular file (a folder?)"
         elif name == QCONFIG_NAME and not _ours(path, name):
             problem = "not embedq's (no quant_method \"embedq\"); an overlay would overwrite it"
         else:
             continue
-        raise OverlayError(f"{p}: {problem}; move it out of {path} first, or write a derived "
-                           "copy instead (embedq quantize --output DIR)")
+        raise OverlayError(f"{p}: {problem}; move it out of {path} first, or work on a copy "
+                           "(embedq quantize --output DIR, or apply to a copy of the model)")
 
 
 def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
@@ -316,8 +318,14 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     links = _links(path)
     try:
         # an overlay committed earlier (quantize --force, apply over an overlay) is switched
-        # off first: a kill after the rename below then leaves the original config.json (the
-        # model as it was), never the old overlay's settings over the new tables
+        # off first: its quantization_config.json goes (config.json still names the old
+        # tables), then config.json is the original again. A kill after the rename below then
+        # leaves the original model beside the new tables, never the old settings over them
+        # (embedq.load pairs quantization_config.json with embedq.safetensors)
+        if _ours(path, QCONFIG_NAME):
+            (path / QCONFIG_NAME).unlink()
+            staging.fsync_dir(path)
+            testpoint.reached("committing")
         _restore_one(path, CONFIG_NAME, backup[CONFIG_NAME], links.get(CONFIG_NAME))
         writer.commit()
         testpoint.reached("committing")

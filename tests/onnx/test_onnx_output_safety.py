@@ -155,3 +155,37 @@ def test_failed_model_rename_takes_the_new_data_back(inputs, tmp_path, monkeypat
     with pytest.raises(EmbedqError, match="cannot write"):
         patch_model(fpath, ov, out, external_data=True)
     assert not (tmp_path / "o").exists()
+
+
+def test_force_replaces_its_own_output_in_the_overlay_folder(inputs, tmp_path):
+    """An in-place overlay's folder is the model's: an earlier `onnx export` / `onnx patch`
+    output there is an output, not an input, so --force replaces it (only the overlay's
+    configs and tensors file are inputs)."""
+    ckpt, fpath, ov = inputs
+    model = shutil.copytree(ckpt, tmp_path / "model")
+    embedq.quantize(model, bits=4, group_size=32, progress=False)  # in place
+    out = model / "model.onnx"
+    for _ in range(2):  # a new output, then the same again with --force
+        r = run("onnx", "export", model, "-o", out, "--no-optimize", "--force")
+        assert r.returncode == 0, r.stderr
+    bundle = shutil.copytree(ov, tmp_path / "bundle")
+    out = bundle / "model.onnx"
+    for _ in range(2):
+        r = run("onnx", "patch", fpath, "--overlay", bundle, "-o", out, "--force")
+        assert r.returncode == 0, r.stderr
+    for name in ("embedq.safetensors", "quantization_config.json"):  # still refused
+        one_error_line(run("onnx", "patch", fpath, "--overlay", bundle, "-o", bundle / name, "--force"),
+                       str(bundle / name), "input")
+
+
+def test_genai_in_place_with_the_overlay_inside(inputs, tmp_path):
+    """In place only the decoder and its data are rewritten: an overlay kept in the genai
+    folder (G/embedq) is no reason to refuse, and stays as it was."""
+    from embedq.backends.onnx.genai import is_genai_output
+    _, fpath, ov = inputs
+    g = _genai(fpath, tmp_path / "g")
+    inner = shutil.copytree(ov, g / "embedq")
+    before = tree(inner)
+    r = run("onnx", "patch", g, "--overlay", inner, "-o", g, "--force")
+    assert r.returncode == 0 and is_genai_output(g), r.stderr
+    assert tree(inner) == before

@@ -140,7 +140,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     """
     from embedq.backends.onnx.common import require_onnx
     require_onnx()
-    from embedq.format.reader import parse_overlay_config
+    from embedq.format.reader import overlay_inputs, parse_overlay_config
     from embedq.format.dtypes import dtype_from_name
     from embedq.backends.onnx.write import check_not_input, check_output_file, folder_files, new_parents
     from embedq.backends.onnx.split import resolve_limit
@@ -154,9 +154,10 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     if out.exists() and not force:
         raise OnnxError(f"{out}: already exists (pass --force to replace it)")
     check_output_file(out)
-    # what the export reads: all but ONNX files (an earlier export there is an output)
-    check_not_input(out, [f for f in folder_files(mdir) + folder_files(ov_dir)
-                          if not f.name.endswith((".onnx", ".data"))])
+    # what the export reads: the model's files but ONNX ones (an earlier export there is an
+    # output) and the overlay's own files
+    check_not_input(out, [f for f in folder_files(mdir) if not f.name.endswith((".onnx", ".data"))]
+                    + overlay_inputs(ov_dir, cfg))
     if ov_dir.resolve() != mdir.resolve():  # another folder's overlay: made from this model?
         from embedq.format.checkpoint import Checkpoint
         from embedq.jobs.apply import check_base

@@ -63,8 +63,10 @@ def open_genai_folder(src: Path, out: Path, force: bool, overlay: Path | None = 
     in_place = out.exists() and out.resolve() == src.resolve()
     if in_place and not force:
         raise OnnxError(f"{out}: is the input folder; pass --force to patch it in place")
-    apart = [] if in_place else [("the input folder", src)]
-    _check_apart(out, apart + ([("the overlay", overlay)] if overlay is not None else []))
+    # a new OUT is replaced whole, so it may not be, hold or lie in an input; in place only
+    # the decoder and its data are rewritten (patch_model refuses an overlay file among them)
+    if not in_place:
+        _check_apart(out, [("the input folder", src)] + ([("the overlay", overlay)] if overlay is not None else []))
     if out.exists() and not in_place:
         if not out.is_dir():
             raise OnnxError(f"{out}: not a folder (a genai folder is written as a folder)")

@@ -23,8 +23,7 @@ from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure,
 from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
-from embedq.backends.onnx.write import (check_not_input, check_output_file, clean_output, folder_files,
-                                        write_model)
+from embedq.backends.onnx.write import check_not_input, check_output_file, clean_output, write_model
 
 #: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
 #: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
@@ -101,7 +100,7 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
 def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data: bool | None,
                 force: bool, accuracy_level: int | None, execution_provider: str | None,
                 max_tensor_bytes: int | None = None) -> OnnxReport:
-    from embedq.format.reader import read_overlay_config
+    from embedq.format.reader import overlay_inputs, parse_overlay_config
     t0 = time.perf_counter()
     if out_path.exists() and not force and out_path.resolve() != src_path.resolve():
         raise OnnxError(f"{out_path}: already exists (pass --force to replace it)")
@@ -112,7 +111,8 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         accuracy_level = default_accuracy_level(execution_provider or "cpu")
     if accuracy_level not in range(5):
         raise OnnxError(f"accuracy_level {accuracy_level}: expected 0-4 (MatMulNBits)")
-    cfg = read_overlay_config(ov_path)
+    ov_cfg = parse_overlay_config(ov_path)
+    cfg = ov_cfg.to_dict()
     mp = load_onnx_model(src_path)
     check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
@@ -120,8 +120,8 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     # --force replaces an earlier output, never a file this patch reads (in place, the
     # model and its data are replaced by design: see write.py)
     in_place = out_path.exists() and out_path.resolve() == src_path.resolve()
-    check_not_input(out_path, folder_files(ov_path) if in_place else
-                    [src_path, *_source_data(mp, src_path), *folder_files(ov_path)])
+    ov_files = overlay_inputs(ov_path, ov_cfg)
+    check_not_input(out_path, ov_files if in_place else [src_path, *_source_data(mp, src_path), *ov_files])
     if out_path.parent.is_dir():  # a killed patch's staging and stale data generation
         clean_output(out_path, src_path.parent, mp, src_path)
     P = _Patch(src_path, out_path, ov_path, cfg, mp, GraphIndex(mp, src_path.parent, src_path), accuracy_level,
