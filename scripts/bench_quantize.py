@@ -212,7 +212,7 @@ def table_info(ckpt_dir: Path, names: list[str]) -> list[tuple[Path, int, int]]:
 
 
 def overlay_bytes(rows: int, cols: int, bits: int, group: int | None, n_tables: int) -> int:
-    groups = 1 if group is None else cols // group
+    groups = 1 if not group else cols // group  # None or 0: one scale per row
     return n_tables * (rows * cols * bits // 8 + rows * groups * 2 + 8)
 
 

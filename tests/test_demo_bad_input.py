@@ -42,9 +42,11 @@ def test_a_users_checkpoint_is_not_requantized(model_factory, tmp_path):
 
 
 def test_demo_reuses_its_own_folder(tmp_path):
-    assert runner.invoke(app, ["demo", "--dir", str(tmp_path)]).exit_code == 0
-    assert (tmp_path / "demo-model" / DEMO_MARKER).is_file()
-    r = runner.invoke(app, ["demo", "--dir", str(tmp_path), "--bits", "4"])
+    d = tmp_path / "new" / "dir"  # made as needed
+    r = runner.invoke(app, ["demo", "--dir", str(d)])
+    assert r.exit_code == 0, r.output
+    assert (d / "demo-model" / DEMO_MARKER).is_file()
+    r = runner.invoke(app, ["demo", "--dir", str(d), "--bits", "4"])
     assert r.exit_code == 0, r.output
     assert "int4" in r.stdout
 

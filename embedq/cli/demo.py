@@ -42,6 +42,10 @@ def run_demo(workdir: Path | None = None, bits: int | None = None) -> Report:
                               "(pick another --dir or remove it)")
         # built in a staging folder, marked, then renamed: a Ctrl-C or kill mid-build leaves
         # no half-built demo-model (the next run clears the staging folder), only a whole one
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise EmbedqError(f"{base}: cannot create the --dir folder ({e.strerror or e})") from None
         staging.clean_leftovers(base)
         with staging.staging_dir(base, "demo", output=model) as tmp:
             build_demo_model(tmp / "m")

@@ -84,10 +84,10 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
     elif lm_head or head_scheme is not None:
         if t.head is None:  # not tied, no head tensor: the model has no output embedding
             raise EmbedqError(f"{where}: this model has no lm_head (output embedding) to quantize; "
-                              "drop --lm-head/--head-bits/--head-group-size")
+                              "drop --lm-head/--head-bits/--head-group-size (head_symmetric)")
         if not lm_head:  # the head options would be ignored: the head stays float
             raise EmbedqError(f"{where}: the model is untied, its head {t.head} is quantized only with "
-                              "--lm-head; add --lm-head, or drop --head-bits/--head-group-size")
+                              "--lm-head; add --lm-head, or drop --head-bits/--head-group-size (head_symmetric)")
         plans.append(ModulePlan(_strip_weight(t.head), t.head, head_scheme or scheme, "head"))
     for extra in t.extra_embeddings:
         if ckpt.tensors_identical(t.embedding, extra):

@@ -22,7 +22,7 @@ from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
 from embedq.jobs.compressed_tensors import refuse_early
 from embedq.jobs.derived import check_output, write_derived
-from embedq.jobs.overlay import plan_modules, write_overlay
+from embedq.jobs.overlay import compile_min_bytes, plan_modules, write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
 from embedq.jobs.report import Report
 from embedq.quant.profile import stage
@@ -40,6 +40,7 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
     """
     if recipe.search is not None:
         raise SchemeError("--max-kld/--auto: the scheme is chosen by embedq.quality.select.quantize_auto")
+    compile_min_bytes()  # a bad EMBEDQ_COMPILE_MIN_BYTES fails before gptq's calibration run
     calibration = recipe.calibration
     if calibration is None and recipe.scheme.method == "gptq":  # head-aware: the head's inputs, measured once
         from embedq.jobs.calibration import collect_calibration

@@ -217,7 +217,9 @@ def quantize_auto(path: str | os.PathLike, recipe: QuantizeRecipe, *, log=None):
 
     Returns ``(report, selection)``.
     """
+    from embedq.jobs.overlay import compile_min_bytes
     from embedq.jobs.quantize import quantize_checkpoint
+    compile_min_bytes()  # a bad EMBEDQ_COMPILE_MIN_BYTES fails before the search
     search = recipe.search
     x = search.max_kld
     sel = select_scheme(path, x, method=search.method, lm_head=recipe.lm_head,

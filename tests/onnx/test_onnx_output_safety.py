@@ -168,6 +168,17 @@ def test_force_replaces_its_own_output_in_the_overlay_folder(inputs, tmp_path):
     for _ in range(2):  # a new output, then the same again with --force
         r = run("onnx", "export", model, "-o", out, "--no-optimize", "--force")
         assert r.returncode == 0, r.stderr
+    # every other file of the folder is an input: the float shards, the backup under .embedq/
+    # (remove needs it), a shard the index names in a sub-folder
+    shard = next(p for p in model.glob("*.safetensors") if p.name != "embedq.safetensors")
+    (model / "sub").mkdir()
+    (model / "sub" / "extra.json").write_text("{}")
+    before = tree(model)
+    for victim in (shard, model / ".embedq" / "state.json", model / "sub" / "extra.json"):
+        assert victim.is_file()
+        one_error_line(run("onnx", "export", model, "-o", victim, "--no-optimize", "--force"), str(victim), "input")
+        one_error_line(run("onnx", "patch", fpath, "--overlay", model, "-o", victim, "--force"), str(victim), "input")
+    assert tree(model) == before
     bundle = shutil.copytree(ov, tmp_path / "bundle")
     out = bundle / "model.onnx"
     for _ in range(2):

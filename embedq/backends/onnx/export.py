@@ -142,7 +142,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     require_onnx()
     from embedq.format.reader import overlay_inputs, parse_overlay_config
     from embedq.format.dtypes import dtype_from_name
-    from embedq.backends.onnx.write import check_not_input, check_output_file, folder_files, new_parents
+    from embedq.backends.onnx.write import check_not_input, check_output_file, folder_inputs, new_parents
     from embedq.backends.onnx.split import resolve_limit
     resolve_limit(max_tensor_bytes, target)  # fail before the slow part
     t0 = time.perf_counter()
@@ -154,10 +154,9 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     if out.exists() and not force:
         raise OnnxError(f"{out}: already exists (pass --force to replace it)")
     check_output_file(out)
-    # what the export reads: the model's files but ONNX ones (an earlier export there is an
-    # output) and the overlay's own files
-    check_not_input(out, [f for f in folder_files(mdir) if not f.name.endswith((".onnx", ".data"))]
-                    + overlay_inputs(ov_dir, cfg))
+    # what the export reads: the model's and the overlay folder's files but ONNX ones (an
+    # earlier export there is an output)
+    check_not_input(out, folder_inputs(mdir) + folder_inputs(ov_dir) + overlay_inputs(ov_dir, cfg))
     if ov_dir.resolve() != mdir.resolve():  # another folder's overlay: made from this model?
         from embedq.format.checkpoint import Checkpoint
         from embedq.jobs.apply import check_base

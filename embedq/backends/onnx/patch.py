@@ -23,7 +23,7 @@ from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure,
 from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
 from embedq.backends.onnx.source import SourceCheck, check_source
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
-from embedq.backends.onnx.write import check_not_input, check_output_file, clean_output, write_model
+from embedq.backends.onnx.write import check_not_input, check_output_file, clean_output, folder_inputs, write_model
 
 #: MatMulNBits accuracy_level per execution provider, as onnxruntime-genai's builder picks it:
 #: 4 (int8 activations) makes CPU heads 3x (int4) to 30x (int8) faster than level 0.
@@ -120,7 +120,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     # --force replaces an earlier output, never a file this patch reads (in place, the
     # model and its data are replaced by design: see write.py)
     in_place = out_path.exists() and out_path.resolve() == src_path.resolve()
-    ov_files = overlay_inputs(ov_path, ov_cfg)
+    ov_files = overlay_inputs(ov_path, ov_cfg) + folder_inputs(ov_path)
     check_not_input(out_path, ov_files if in_place else [src_path, *_source_data(mp, src_path), *ov_files])
     if out_path.parent.is_dir():  # a killed patch's staging and stale data generation
         clean_output(out_path, src_path.parent, mp, src_path)

@@ -78,12 +78,14 @@ def _stale(out: Path, keep: set[str]) -> set[str]:
     return {g for g in data_generations(out) if g in reads and g not in keep}
 
 
-def folder_files(folder: Path) -> list[Path]:
-    """The files directly in ``folder`` (an input model or overlay folder)."""
-    try:
-        return [p for p in Path(folder).iterdir() if p.is_file()]
-    except OSError:
-        return []
+def folder_inputs(folder: Path) -> list[Path]:
+    """The files of an input model or overlay folder a command must never write over: every
+    file in it and its sub-folders (shards an index names there, ``.embedq/``'s backups),
+    but ONNX graphs and their data, which are earlier outputs (``--force`` replaces them)."""
+    found = []
+    for root, _, names in os.walk(folder, onerror=lambda e: None):  # folder links not followed
+        found += [Path(root) / n for n in names if not n.endswith((".onnx", ".data"))]
+    return found
 
 
 def check_not_input(out: Path, inputs: Iterable[Path]) -> None:
