@@ -97,6 +97,8 @@ EMULATE = {
     "avx2": ("avx2,fma,f16c", "AVX2", "avx2", "AVX2"),
     "avx2_vnni": ("avx2,fma,f16c,avx_vnni", "AVX2_VNNI", "avx2", "AVX2"),
     "avx512f": ("-avx512_bf16,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512", "AVX512"),
+    # Skylake-SP: AVX-512F without VNNI (Cascade Lake and Ice Lake have it: "avx512f")
+    "avx512f_novnni": ("-avx512_bf16,-avx512_vnni,-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE", "avx512", "AVX512"),
     "avx512_bf16": ("-amx_bf16,-amx_tile,-amx_int8", "AVX512_CORE_BF16", "avx512", "AVX512_E3"),
 }
 

@@ -121,3 +121,17 @@ def test_read_floor_reads_every_held_tensor():
             b = t.contiguous().view(torch.uint8).reshape(-1)
             want = b.view(torch.int64).sum() if b.numel() % 8 == 0 else b.amax()
             assert torch.equal(o, want)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the emulated families are x86 ones")
+def test_emulated_avx512f_without_vnni_drops_vnni():
+    """Skylake-SP (AVX-512F, no VNNI): embedq's rows that need VNNI are taken away too."""
+    from embedq.kernels import build
+    if "avx512f" not in build.cpu_flags():
+        pytest.skip("this CPU has no AVX-512F to emulate a Skylake-SP with")
+    env = _bench_serve().emulated_env("avx512f_novnni")
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    flags = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith("EMBEDQ "))["EMBEDQ"]
+    flags = set(flags.split(","))
+    assert "avx512f" in flags and not flags & {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}, flags
