@@ -60,14 +60,6 @@ def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
     raise OverlayError(f"{p}: no embedq overlay (no {QCONFIG_NAME})")
 
 
-def overlay_inputs(path: str | os.PathLike, cfg: OverlayConfig) -> list[Path]:
-    """The files of an overlay folder a reader reads: its two configs and the tensors' file
-    (not every file there: an in-place overlay's folder also holds outputs, e.g. an earlier
-    ``embedq onnx`` graph, that a command may replace)."""
-    p = Path(path)
-    return [p / QCONFIG_NAME, p / CONFIG_NAME, p / cfg.overlay]
-
-
 def read_overlay_config(path: str | os.PathLike) -> dict:
     """``quantization_config.json`` of a folder (or config.json's quantization_config), validated."""
     return parse_overlay_config(path).to_dict()

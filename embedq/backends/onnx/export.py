@@ -140,7 +140,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     """
     from embedq.backends.onnx.common import require_onnx
     require_onnx()
-    from embedq.format.reader import overlay_inputs, parse_overlay_config
+    from embedq.format.reader import parse_overlay_config
     from embedq.format.dtypes import dtype_from_name
     from embedq.backends.onnx.write import check_not_input, check_output_file, folder_inputs, new_parents
     from embedq.backends.onnx.split import resolve_limit
@@ -156,7 +156,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     check_output_file(out)
     # what the export reads: the model's and the overlay folder's files but ONNX ones (an
     # earlier export there is an output)
-    check_not_input(out, folder_inputs(mdir) + folder_inputs(ov_dir) + overlay_inputs(ov_dir, cfg))
+    check_not_input(out, folder_inputs(mdir) + folder_inputs(ov_dir))
     if ov_dir.resolve() != mdir.resolve():  # another folder's overlay: made from this model?
         from embedq.format.checkpoint import Checkpoint
         from embedq.jobs.apply import check_base

@@ -100,7 +100,7 @@ def patch_model(model: str | os.PathLike, overlay: str | os.PathLike, output: st
 def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data: bool | None,
                 force: bool, accuracy_level: int | None, execution_provider: str | None,
                 max_tensor_bytes: int | None = None) -> OnnxReport:
-    from embedq.format.reader import overlay_inputs, parse_overlay_config
+    from embedq.format.reader import read_overlay_config
     t0 = time.perf_counter()
     if out_path.exists() and not force and out_path.resolve() != src_path.resolve():
         raise OnnxError(f"{out_path}: already exists (pass --force to replace it)")
@@ -111,8 +111,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
         accuracy_level = default_accuracy_level(execution_provider or "cpu")
     if accuracy_level not in range(5):
         raise OnnxError(f"accuracy_level {accuracy_level}: expected 0-4 (MatMulNBits)")
-    ov_cfg = parse_overlay_config(ov_path)
-    cfg = ov_cfg.to_dict()
+    cfg = read_overlay_config(ov_path)
     mp = load_onnx_model(src_path)
     check_structure(mp, src_path)
     # Before anything is read: every external data location must stay in the model's folder.
@@ -120,7 +119,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
     # --force replaces an earlier output, never a file this patch reads (in place, the
     # model and its data are replaced by design: see write.py)
     in_place = out_path.exists() and out_path.resolve() == src_path.resolve()
-    ov_files = overlay_inputs(ov_path, ov_cfg) + folder_inputs(ov_path)
+    ov_files = folder_inputs(ov_path)  # its configs and tables among them
     check_not_input(out_path, ov_files if in_place else [src_path, *_source_data(mp, src_path), *ov_files])
     if out_path.parent.is_dir():  # a killed patch's staging and stale data generation
         clean_output(out_path, src_path.parent, mp, src_path)
