@@ -14,26 +14,8 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from ckptutil import snapshot
-from embedq.cli import app
-
-runner = CliRunner()
-
-
-def run_cli(*args):
-    res = runner.invoke(app, [str(a) for a in args])
-    return res.exit_code, res.stdout + (res.stderr if res.stderr_bytes is not None else "")
-
-
-def assert_one_line_error(code, out, *needles):
-    assert code != 0, out
-    err = [ln for ln in out.splitlines() if ln.startswith("embedq: error:")]
-    assert len(err) == 1, out
-    for n in needles:
-        assert n in err[0], err[0]
-    assert "Traceback" not in out
+from ckptutil import assert_one_line_error, run_cli, snapshot
 
 
 def test_missing_dir(tmp_path):

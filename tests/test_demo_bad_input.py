@@ -11,24 +11,15 @@ import pytest
 from typer.testing import CliRunner
 
 import embedq
-from ckptutil import snapshot
+from ckptutil import refused, snapshot
 from embedq.cli import app
 from embedq.cli.demo import DEMO_MARKER
 
 runner = CliRunner()
 
 
-def _refused(res, *words):
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("embedq: error: "), res.output
-    assert "Traceback" not in res.output and "unexpected" not in res.output
-    for w in words:
-        assert w in lines[0], lines[0]
-
-
 def test_bad_bits_builds_nothing(tmp_path):
-    _refused(runner.invoke(app, ["demo", "--bits", "3", "--dir", str(tmp_path)]), "3")
+    refused(runner.invoke(app, ["demo", "--bits", "3", "--dir", str(tmp_path)]), "3")
     assert not (tmp_path / "demo-model").exists()
 
 
@@ -37,7 +28,7 @@ def test_a_users_checkpoint_is_not_requantized(model_factory, tmp_path):
     shutil.copytree(model_factory("qwen2_tied"), mine)
     embedq.quantize(mine, bits=4, progress=False)  # the user's own overlay
     before = snapshot(mine)
-    _refused(runner.invoke(app, ["demo", "--dir", str(tmp_path)]), str(mine), "not made by `embedq demo`")
+    refused(runner.invoke(app, ["demo", "--dir", str(tmp_path)]), str(mine), "not made by `embedq demo`")
     assert snapshot(mine) == before
 
 

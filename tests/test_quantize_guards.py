@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import embedq
-from ckptutil import snapshot
+from ckptutil import assert_one_line_error, run_cli, snapshot
 from embedq.cli import app
 from embedq.errors import EmbedqError, SchemeError
 from embedq.format.scheme import Scheme
@@ -25,20 +25,6 @@ from embedq.jobs.report import ModuleReport, Report
 
 runner = CliRunner()
 EMB = "model.embed_tokens.weight"
-
-
-def run_cli(*args):
-    res = runner.invoke(app, [str(a) for a in args])
-    return res.exit_code, res.stdout + (res.stderr if res.stderr_bytes is not None else "")
-
-
-def assert_one_line_error(code, out, *needles):
-    assert code != 0, out
-    err = [ln for ln in out.splitlines() if ln.startswith("embedq: error:")]
-    assert len(err) == 1, out
-    for n in needles:
-        assert n in err[0], err[0]
-    assert "Traceback" not in out
 
 
 def _edit_embedding(path, edit):

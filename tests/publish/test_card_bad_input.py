@@ -13,17 +13,9 @@ from embedq.cli import app
 from embedq.jobs.card import CardError, refresh_card
 
 from pubutil import derive  # noqa: F401 (fixture)
+from ckptutil import refused
 
 runner = CliRunner()
-
-
-def _refused(res, *words):
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("embedq: error: "), res.output
-    assert "Traceback" not in res.output and "unexpected" not in res.output
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def test_readme_not_utf8(derive):
@@ -31,7 +23,7 @@ def test_readme_not_utf8(derive):
     card = out / "README.md"
     card.write_bytes(b"---\nlicense: mit\n---\n\xff\xfe caf\xe9\n")
     before = card.read_bytes()
-    _refused(runner.invoke(app, ["card", str(out)]), str(card), "not UTF-8")
+    refused(runner.invoke(app, ["card", str(out)]), str(card), "not UTF-8")
     assert card.read_bytes() == before
 
 
@@ -42,7 +34,7 @@ def test_readme_link_out_of_the_folder(derive, tmp_path):
     (out / "README.md").unlink()
     (out / "README.md").symlink_to(outside)
     before = outside.read_text()
-    _refused(runner.invoke(app, ["card", str(out)]), "README.md", "link leading out of the folder")
+    refused(runner.invoke(app, ["card", str(out)]), "README.md", "link leading out of the folder")
     assert (out / "README.md").is_symlink() and outside.read_text() == before
 
 
@@ -58,11 +50,11 @@ def test_bad_eval_json(derive, model_factory, tmp_path, body, words):
     f = tmp_path / "ev.json"
     f.write_text(body)
     before = (out / "README.md").read_bytes()
-    _refused(runner.invoke(app, ["card", str(out), "--eval", str(f)]), str(f), words)
+    refused(runner.invoke(app, ["card", str(out), "--eval", str(f)]), str(f), words)
     assert (out / "README.md").read_bytes() == before
     src = model_factory("qwen2_tied")
     res = runner.invoke(app, ["quantize", str(src), "--output", str(tmp_path / "o"), "--eval", str(f), "-q"])
-    _refused(res, str(f), words)
+    refused(res, str(f), words)
     assert not (tmp_path / "o").exists()
 
 

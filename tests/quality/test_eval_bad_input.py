@@ -12,18 +12,10 @@ import embedq
 from embedq.cli import app
 from embedq.quality.evaluate import EvalError
 from qualutil import add_tokenizer
+from ckptutil import refused
 
 TOKENS = list(range(3, 73))
 runner = CliRunner()
-
-
-def _refused(res, *words):
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("embedq: error: "), res.output
-    assert "Traceback" not in res.output and "unexpected" not in res.output
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -38,7 +30,7 @@ def test_tokenizer_larger_than_the_table(q8, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("\n".join(f"The {i}th line says something about Python {i % 13}." for i in range(300)))
     res = runner.invoke(app, ["eval", str(q8), "--text", str(text), "--contexts", "2", "--length", "16"])
-    _refused(res, str(q8), "the tokenizer and the model disagree", "512 rows")
+    refused(res, str(q8), "the tokenizer and the model disagree", "512 rows")
 
 
 @pytest.mark.parametrize("device,words", [
@@ -47,7 +39,7 @@ def test_tokenizer_larger_than_the_table(q8, tmp_path):
 ])
 def test_device_checked_up_front(q8, device, words):
     res = runner.invoke(app, ["eval", str(q8), "--device", device, "-q"])
-    _refused(res, str(q8), f"--device {device}" if device != "bogus" else "'bogus'", words)
+    refused(res, str(q8), f"--device {device}" if device != "bogus" else "'bogus'", words)
 
 
 @pytest.mark.parametrize("kw,words", [
