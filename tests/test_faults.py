@@ -7,11 +7,13 @@ run's files. (ONNX: tests/onnx/test_onnx_faults.py; GGUF: tests/gguf/test_gguf_f
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
-from faultutil import embedq, leftovers, loaded_view, one_error_line, read_only, sweep, tree
+from faultutil import (embedq, leftovers, loaded_view, one_error_line, read_only, sweep, tree,
+                       without_leftovers)
 
 KIND = "llama_untied_sharded"  # embedding and head in different shards, 4 shards
 
@@ -88,18 +90,30 @@ def test_quantize_killed_at_every_commit(bundle, tmp_path, where):
     assert not leftovers(tmp_path)
 
 
-def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
-    """``quantize --force`` over an in-place overlay of other settings: after a kill a loader
-    reads the old overlay, the new one, or (between the two) the original model; never the
-    old settings (config.json's or quantization_config.json's) over the new tables."""
+def _requantize(bundle, tmp_path):
+    """(model reset to an 8-bit in-place overlay, the 4-bit --force args, old tree, new tree)."""
     src, _, _ = bundle
-    pristine = tree(src)
     first, model = tmp_path / "first", tmp_path / "model"
     _fresh(src, first)()
     assert embedq("quantize", first, "-q", "--lm-head", "--bits", "8").returncode == 0
     reset = _fresh(first, model)
     args = ("quantize", model, "-q", "--lm-head", "--bits", "4", "--force")
-    old, new = tree(first), _clean_run(reset, model, *args)
+    return model, reset, args, tree(first), _clean_run(reset, model, *args)
+
+
+def _settled_view(t):
+    return {k: v for k, v in without_leftovers(t).items() if k != ".embedq/lock"}
+
+
+def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
+    """``quantize --force`` over an in-place overlay of other settings: after a kill a loader
+    reads the old overlay, the new one, or (between the two) the original model; never the
+    old settings (config.json's or quantization_config.json's) over the new tables. The next
+    run on the folder puts the old overlay back before anything else (jobs/previous.py):
+    rerun without --force, it is refused with the old overlay whole again."""
+    src, _, _ = bundle
+    pristine = tree(src)
+    model, reset, args, old, new = _requantize(bundle, tmp_path)
     original = pristine["config.json"]
     qc = "quantization_config.json"
     switch = ("config.json", "embedq.safetensors", qc)
@@ -112,8 +126,57 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
     # original model with neither or with the new config beside the new tables
     between = ({k: v for k, v in old.items() if k != qc}, {"config.json": original},
                {"config.json": original, qc: new[qc]})
-    assert sweep(args, model, reset, old, new, view=view, also=between) >= 1
+
+    def rerun_puts_old_back(at):
+        if _settled_view(tree(model)) == _settled_view(new):
+            return  # killed after the old overlay was dropped: the new one is complete
+        r = embedq(*args[:-1])  # without --force: recovers, then refuses (an overlay is there)
+        assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (at, r.stderr)
+        assert _settled_view(tree(model)) == _settled_view(old), at
+    assert sweep(args, model, reset, old, new, view=view, also=between, extra=rerun_puts_old_back) >= 1
     assert tree(src) == pristine and not leftovers(tmp_path)
+
+
+def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):
+    """Ctrl-C (an exception, as a full disk is) at each commit of ``quantize --force`` in
+    place: exit 130 and the old overlay exactly, or the new one; nothing kept or staged."""
+    model, reset, args, old, new = _requantize(bundle, tmp_path)
+    seen = set()
+    for n in range(1, 12):
+        reset()
+        r = embedq(*args, kill_at=f"committed:{n}", sig="INT")
+        if r.returncode == 0:
+            break
+        assert r.returncode == 130 and "Traceback" not in r.stderr, (n, r.stderr)
+        now = _settled_view(tree(model))
+        assert now in (_settled_view(old), _settled_view(new)), (n, sorted(set(now) ^ set(old)))
+        seen.add("old" if now == _settled_view(old) else "new")
+        assert not leftovers(model), n
+    assert n > 3 and "old" in seen, (n, seen)
+
+
+def test_requantize_in_place_full_disk_after_switch(bundle, tmp_path, monkeypatch):
+    """A full disk when the new quantization_config.json is written (after the old overlay
+    was switched off and the new tables renamed in): the old overlay is back, by renames."""
+    import errno as _errno
+    from embedq.errors import OverlayError
+    from embedq.jobs import state
+    from embedq.jobs.quantize import quantize_checkpoint
+    from embedq.jobs.recipe import QuantizeRecipe
+    model, reset, args, old, _ = _requantize(bundle, tmp_path)
+    reset()
+    real = state.write_json_atomic
+
+    def full(path, obj):
+        if path.name == "quantization_config.json":
+            raise OverlayError(f"{path}: cannot write: {os.strerror(_errno.ENOSPC)}")
+        return real(path, obj)
+    monkeypatch.setattr(state, "write_json_atomic", full)
+    from embedq.format.scheme import Scheme
+    recipe = QuantizeRecipe(scheme=Scheme.default(4), lm_head=True, force=True, progress=False)
+    with pytest.raises(OverlayError, match="No space left"):
+        quantize_checkpoint(model, recipe)
+    assert _settled_view(tree(model)) == _settled_view(old)
 
 
 def test_card_killed(bundle, tmp_path):

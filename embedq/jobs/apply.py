@@ -120,8 +120,8 @@ def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force:
     if base.exists() and base.resolve() == Path(overlay).resolve():
         raise OverlayError(f"{base}: the base and the overlay bundle are the same folder")
     ckpt = Checkpoint.open(base)
-    with state.folder_lock(ckpt.path, "apply"):
-        return _apply(ckpt, qconfig, ovfile, force)
+    with state.folder_lock(ckpt.path, "apply"):  # read again under the lock: a killed
+        return _apply(Checkpoint.open(base), qconfig, ovfile, force)  # run's overlay may be back
 
 
 def _apply(ckpt: Checkpoint, qconfig: OverlayConfig, ovfile: Path, force: bool) -> Report:

@@ -52,8 +52,8 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
         check_output(ckpt.path, recipe.output, recipe.force)
         # --format compressed-tensors is converted inside write_derived's staging folder
         return _quantize(ckpt, t0, recipe, calibration)
-    with state.folder_lock(ckpt.path, "quantize"):
-        return _quantize(ckpt, t0, recipe, calibration)
+    with state.folder_lock(ckpt.path, "quantize"):  # read again under the lock: a killed
+        return _quantize(Checkpoint.open(path), t0, recipe, calibration)  # run's overlay may be back
 
 
 def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) -> Report:

@@ -9,7 +9,9 @@ Commit order (config.json is the commit point):
 An overlay committed earlier is switched off first (its ``quantization_config.json``
 removed, then config.json back to the original), so a crash anywhere leaves the old
 overlay (before that switch), the original config.json (the overlay is invisible to
-loaders, and the next run or ``remove`` cleans up) or the complete new overlay.
+loaders) or the complete new overlay. The old overlay's files are hard-linked into
+``.embedq/previous/`` before the switch (jobs/previous.py): a failure puts them back at
+once, and after a kill the next run that takes the folder's lock does.
 
 A downloaded folder may carry a ``.embedq/`` of its own, so nothing in it is trusted
 blindly (docs/security.md): ``state.json`` may name only the two files embedq backs up,
@@ -35,7 +37,7 @@ from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCO
                                         STATE_DIR, Checkpoint)
 from embedq.format import staging
 from embedq.format.files import inside, stays_inside, write_bytes_atomic, write_json_atomic
-from embedq.jobs import testpoint
+from embedq.jobs import previous, testpoint
 
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"
@@ -316,12 +318,14 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     if backup is None:  # none, or a stale one (base_state warned): back up what is on disk now
         backup = write_backup(path)
     links = _links(path)
+    kept = previous.keep(path)  # the committed overlay, hard-linked: put back if this fails
     try:
         # an overlay committed earlier (quantize --force, apply over an overlay) is switched
         # off first: its quantization_config.json goes (config.json still names the old
         # tables), then config.json is the original again. A kill after the rename below then
         # leaves the original model beside the new tables, never the old settings over them
-        # (embedq.load pairs quantization_config.json with embedq.safetensors)
+        # (embedq.load pairs quantization_config.json with embedq.safetensors), until the
+        # next run puts the kept overlay back (previous.recover)
         if _ours(path, QCONFIG_NAME):
             (path / QCONFIG_NAME).unlink()
             staging.fsync_dir(path)
@@ -341,8 +345,16 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
         config["quantization_config"] = qconfig
         write_json_atomic(path / CONFIG_NAME, config)
     except BaseException:
-        _restore(path, backup, links)
+        if kept is None:
+            _restore(path, backup, links)
+        else:  # the old overlay again, by renames (a full disk cannot stop them)
+            with contextlib.suppress(OSError):  # else the next run's recover() does it
+                previous.restore(path)
+                cleanup_partials(path)
         raise
+    if kept is not None:
+        with contextlib.suppress(OSError):  # the new overlay is complete: the old one is void
+            previous.discard(path)
 
 
 @contextlib.contextmanager
@@ -391,6 +403,7 @@ def folder_lock(path: str | os.PathLike, what: str):
     except OSError:
         pass
     try:
+        previous.recover(p)  # a killed in-place commit: its old overlay is back first
         yield
     finally:
         try:

@@ -1,0 +1,55 @@
+"""``.embedq/previous/`` (jobs/previous.py) as untrusted input: a journal is used only for
+the very inodes it recorded, so a folder that arrives with one (downloaded, copied) never
+has files renamed over its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from faultutil import embedq, tree
+
+KIND = "llama_untied_sharded"
+
+
+def _overlaid(model_factory, tmp_path):
+    m = tmp_path / "m"
+    shutil.copytree(model_factory(KIND), m, symlinks=True)
+    assert embedq("quantize", m, "-q", "--lm-head", "--bits", "8").returncode == 0
+    return m
+
+
+def test_forged_journal_is_dropped(model_factory, tmp_path):
+    m = _overlaid(model_factory, tmp_path)
+    prev = m / ".embedq" / "previous"
+    prev.mkdir()
+    (prev / "config.json").write_text('{"model_type": "forged"}')
+    (prev / "quantization_config.json").write_text('{"quant_method": "embedq"}')
+    (prev / "embedq.safetensors").write_bytes(b"x")
+    st = os.lstat(prev / "config.json")
+    files = {n: [st.st_dev, st.st_ino + 1, st.st_size] for n in
+             ("config.json", "quantization_config.json", "embedq.safetensors")}
+    (prev / "journal.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    before = {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")}
+    r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8")  # refused: an overlay is there
+    assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, r.stderr
+    assert {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")} == before
+    assert not prev.exists()
+
+
+def test_copied_killed_folder_reads_as_its_files(model_factory, tmp_path):
+    """A killed re-commit copied elsewhere: the copy's journal names other inodes, so the
+    copy keeps the files it has (the original model) and drops the journal."""
+    m = _overlaid(model_factory, tmp_path)
+    r = embedq("quantize", m, "-q", "--lm-head", "--bits", "4", "--force", kill_at="committed:2")
+    assert r.returncode == -9 and (m / ".embedq" / "previous" / "journal.json").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(m, copy, symlinks=True)
+    before = {k: v for k, v in tree(copy).items() if not k.startswith(".embedq/")}
+    assert "quantization_config.json" not in before  # switched off when it was killed
+    r = embedq("remove", copy)
+    assert r.returncode == 0, r.stderr
+    assert not (copy / ".embedq").exists() and "quantization_config.json" not in tree(copy)
+    assert embedq("remove", m).returncode == 0  # the original folder: put back, then removed
+    assert tree(m) == tree(model_factory(KIND))
