@@ -3,7 +3,8 @@
 Overflowing scales, non-finite numbers in ``--json``, ``--format compressed-tensors``
 refusals that destroyed an earlier output or came after writing, a verify that checked
 nothing, Python values of the wrong type failing deep inside, head options ignored
-without ``--lm-head``, shards in sub-folders of a derived output, and odd ``--targets``.
+without ``--lm-head``, shards in sub-folders of a derived output, odd ``--targets``, and a
+checkpoint whose only table is saved under the head's name.
 """
 
 from __future__ import annotations
@@ -300,3 +301,20 @@ def test_bad_compile_min_bytes_is_one_line_before_writing(model_factory, monkeyp
     code, out = run_cli("quantize", path)
     assert_one_line_error(code, out, "EMBEDQ_COMPILE_MIN_BYTES", repr(value), "unset it")
     assert snapshot(path) == before
+
+
+@pytest.mark.parametrize("extra", [(), ("--targets", "lm_head.weight"), ("--lm-head",)])
+def test_only_a_head_named_table_says_so(model_factory, tmp_path, extra):
+    """A tied table saved only as ``lm_head.weight``: one line saying the checkpoint stores no
+    input embedding and how to get one (was "found no embedding tensors ()" and, with
+    --targets, "is the output embedding ... the input embedding comes first")."""
+    path = tmp_path / "m"
+    shutil.copytree(model_factory("qwen2_tied"), path)
+    sd = load_file(path / "model.safetensors")
+    sd["lm_head.weight"] = sd.pop(EMB)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    before = snapshot(path)
+    code, out = run_cli("quantize", path, "-q", *extra)
+    assert_one_line_error(code, out, str(path), "stores no input embedding, only the head lm_head.weight",
+                          "save_pretrained")
+    assert snapshot(path) == before and not (path / ".embedq").exists()

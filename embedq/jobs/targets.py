@@ -241,6 +241,8 @@ def _check_override(ckpt: Checkpoint, names: list[str], auto: Targets | None) ->
     # may be its only embedding); the names' patterns only where they are not
     if (first == auto.head and first != auto.embedding) if auto is not None else (
             any(re.search(p, first) for p in HEAD_PATTERNS) and not any(re.search(p, first) for p in EMBED_PATTERNS)):
+        if auto is None:
+            _refuse_head_only(ckpt)
         raise CheckpointError(f"{given}: {first} is the output embedding (the head); the input embedding "
                               f"comes first: {fix}")
 
@@ -272,11 +274,12 @@ def _discover(ckpt: Checkpoint, tied_cfg: bool) -> Targets:
     else:
         source = "patterns"
         hits = _by_patterns(ckpt, EMBED_PATTERNS)
+        if not hits:
+            _refuse_head_only(ckpt)
         if len(hits) != 1:
-            what = "no" if not hits else f"{len(hits)} candidate"
-            raise CheckpointError(
-                f"{ckpt.path}: found {what} embedding tensors ({', '.join(hits[:4])}); "
-                "name them with --targets")
+            what = "no embedding tensors" if not hits else \
+                f"{len(hits)} candidate embedding tensors ({', '.join(hits[:4])})"
+            raise CheckpointError(f"{ckpt.path}: found {what}; name them with --targets")
         emb = hits[0]
         heads = _by_patterns(ckpt, HEAD_PATTERNS)
         head = heads[0] if len(heads) == 1 else None
@@ -291,6 +294,18 @@ def _discover(ckpt: Checkpoint, tied_cfg: bool) -> Targets:
                 extras.append(n)
     return Targets(emb, head, head_module, tied_cfg, sorted(extras), source)
 
+
+
+def _refuse_head_only(ckpt: Checkpoint) -> None:
+    """A checkpoint whose only vocabulary table is saved under a head's name (a tied table
+    some exporters store as ``lm_head.weight``): say so, and how to get one embedq reads."""
+    heads = _by_patterns(ckpt, HEAD_PATTERNS)
+    if heads and not _by_patterns(ckpt, EMBED_PATTERNS):
+        raise CheckpointError(
+            f"{ckpt.path}: the checkpoint stores no input embedding, only the head {heads[0]} (a tied "
+            "table saved under the head's name?); embedq quantizes the input embedding and the head "
+            "beside it: load and save the model with transformers (save_pretrained stores a tied "
+            "table as the embedding) and quantize that")
 
 
 def _default_head_module(emb: str, head: str) -> str:
