@@ -33,7 +33,7 @@ from embedq.kernels.build import LazyLibrary
 from embedq.quant.rtn import quantize_rtn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import cpu_model  # noqa: E402
+from benchlib import cpu_model  # noqa: E402
 
 COLS = 640
 PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 2268, 5053, 529, 506, 1902, 1304, 236764, 1144, 21869]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import cpu_model, load, parse_scheme, quantize_table, synthetic_table, timed_rounds  # noqa: E402
+from benchlib import cpu_model, load, parse_scheme, quantize_table, synthetic_table, timed_rounds  # noqa: E402
 
 from embedq.kernels import dispatch  # noqa: E402
 from embedq.kernels.prepared import PreparedTable  # noqa: E402

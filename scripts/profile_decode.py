@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_serve as bs  # noqa: E402
+import benchlib as bl  # noqa: E402
 
 
 def hooked(model) -> tuple[dict[str, list[float]], list]:
@@ -50,20 +50,20 @@ def main() -> None:
     import transformers
     import embedq
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
-    paths = bs.gemma_models(args.workdir)
+    paths = bl.gemma_models(args.workdir)
     models = {"float": transformers.AutoModelForCausalLM.from_pretrained(paths["float"], dtype=dtype)}
     for k in args.schemes:
         models[k] = embedq.load(str(paths[k]), dtype=dtype)
     print(f"== decode step, Gemma 3 270M {args.dtype}, batch 1, {args.new_tokens} tokens on "
-          f"{bs.cpu_model()}, torch threads {torch.get_num_threads()}", flush=True)
-    ids = torch.tensor([bs.PROMPT])
+          f"{bl.cpu_model()}, torch threads {torch.get_num_threads()}", flush=True)
+    ids = torch.tensor([bl.PROMPT])
     n = args.new_tokens
     med = statistics.median
     with torch.inference_mode():
         for m in models.values():  # warm-up
             m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         for r in range(args.n):
-            print(f"-- round {r} (load {bs.load()})", flush=True)
+            print(f"-- round {r} (load {bl.load()})", flush=True)
             names = list(models)
             for k in names[r % len(names):] + names[:r % len(names)]:
                 rec, hooks = hooked(models[k])

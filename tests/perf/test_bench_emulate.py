@@ -1,4 +1,5 @@
-"""scripts/bench_serve.py --emulate: the float baseline is capped like embedq's kernels.
+"""scripts/bench_serve.py --emulate: the float baseline is capped like embedq's kernels
+(the machinery, with the timing helpers tested here, is in scripts/benchlib.py).
 
 torch's float32 F.linear is MKL's sgemm where torch is built with MKL, and MKL ignores
 ONEDNN_MAX_CPU_ISA: without MKL_ENABLE_INSTRUCTIONS the "AVX2" float32 baseline ran AVX-512
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchlib.py"
 PROBE = """
 import torch
 from embedq.kernels import build
@@ -27,8 +28,8 @@ print("MKL", torch.backends.mkl.is_available())
 """
 
 
-def _bench_serve():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+def _benchlib():
+    spec = importlib.util.spec_from_file_location("benchlib", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -36,7 +37,7 @@ def _bench_serve():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the emulated families are x86 ones")
 def test_emulated_avx2_caps_embedq_aten_and_mkl():
-    mod = _bench_serve()
+    mod = _benchlib()
     env = mod.emulated_env("avx2")
     env["MKL_VERBOSE"] = "1"
     r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
@@ -51,7 +52,7 @@ def test_emulated_avx2_caps_embedq_aten_and_mkl():
 
 
 def test_every_family_caps_every_float_library():
-    mod = _bench_serve()
+    mod = _benchlib()
     for family in mod.EMULATE:
         env = mod.emulated_env(family)
         for var in ("EMBEDQ_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"):
@@ -61,39 +62,39 @@ def test_every_family_caps_every_float_library():
 def test_cold_rounds_flush_before_every_timed_call():
     """--cold: the evicting read runs before every timed call of every path (not in the
     warm-up), and is sized from the L3 this machine reports."""
-    bs = _bench_serve()
+    bl = _benchlib()
     calls = []
 
-    class Spy(bs.Evict):
+    class Spy(bl.Evict):
         def __call__(self):
             calls.append("evict")
             super().__call__()
 
     ev = Spy(1 << 20)
     fns = {"a": lambda x: calls.append("a"), "b": lambda x: calls.append("b")}
-    times = bs.timed_rounds(fns, None, 3, 3, set(), ev)
+    times = bl.timed_rounds(fns, None, 3, 3, set(), ev)
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
     assert calls[:2] in (["a", "b"], ["b", "a"])  # the warm-up, not flushed
     timed = calls[2:]
     assert len(timed) == 12 and all(timed[i] == "evict" and timed[i + 1] != "evict" for i in range(0, 12, 2))
     if Path("/sys/devices/system/cpu/cpu0/cache/index3/size").exists():
-        assert bs.l3_bytes() >= 1 << 20
-    assert bs.Evict(0).buf is None  # no cache size known: warm rounds
+        assert bl.l3_bytes() >= 1 << 20
+    assert bl.Evict(0).buf is None  # no cache size known: warm rounds
 
 
 def test_steal_time_is_a_percentage():
     """The steal time printed beside each batch (a neighbour's burst on the host)."""
-    bs = _bench_serve()
-    t0 = bs.cpu_ticks()
+    bl = _benchlib()
+    t0 = bl.cpu_ticks()
     sum(range(10**6))
-    assert 0.0 <= bs.steal_since(t0) <= 100.0
+    assert 0.0 <= bl.steal_since(t0) <= 100.0
     if Path("/proc/stat").exists():
         assert t0[1] > 0
 
 
 def test_paired_ratio_survives_a_burst_that_two_medians_do_not():
     """A host burst slows every path of the rounds it hits: the ratio within a round holds."""
-    mod = _bench_serve()
+    mod = _benchlib()
     base = [10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]  # rounds 3-6 in a burst: everything 2x
     mine = [5.0, 5.0, 5.0, 10.0, 10.0, 10.0, 10.0]
     pr, q1, q3 = mod.paired_ratio(mine, base)
@@ -108,13 +109,13 @@ def test_read_floor_reads_every_held_tensor():
     beside the kernels), whatever their sizes."""
     import torch
     from embedq.kernels import PreparedTable
-    bs = _bench_serve()
+    bl = _benchlib()
     w = torch.randn(37, 96).to(torch.bfloat16)
     for name in ("q4g32a", "int8"):
-        p = PreparedTable.from_table(bs.quantize_table(w, bs.parse_scheme(name)))
+        p = PreparedTable.from_table(bl.quantize_table(w, bl.parse_scheme(name)))
         lay = p.layout
         held = [getattr(lay, n) for n in lay.holds if getattr(lay, n) is not None]
-        out = bs.read_floor(p)(None)
+        out = bl.read_floor(p)(None)
         assert len(out) == len(held) >= 2
         assert sum(t.numel() * t.element_size() for t in held) == p.nbytes
         for o, t in zip(out, held):
@@ -129,7 +130,7 @@ def test_emulated_avx512f_without_vnni_drops_vnni():
     from embedq.kernels import build
     if "avx512f" not in build.cpu_flags():
         pytest.skip("this CPU has no AVX-512F to emulate a Skylake-SP with")
-    env = _bench_serve().emulated_env("avx512f_novnni")
+    env = _benchlib().emulated_env("avx512f_novnni")
     r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     flags = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith("EMBEDQ "))["EMBEDQ"]
