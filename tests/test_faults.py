@@ -127,14 +127,46 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
     between = ({k: v for k, v in old.items() if k != qc}, {"config.json": original},
                {"config.json": original, qc: new[qc]})
 
-    def rerun_puts_old_back(at):
-        if _settled_view(tree(model)) == _settled_view(new):
-            return  # killed after the old overlay was dropped: the new one is complete
+    def rerun_settles(at):
+        # killed after config.json's switch: the new overlay is complete and stays
+        expect = new if tree(model).get("config.json") == new["config.json"] else old
+        v = embedq("verify", model)  # read only: says the folder is between two overlays
+        assert (v.returncode == 0) == (expect is new or at in ("staged:1", "committed:1")), (at, v.stderr)
+        if v.returncode:
+            one_error_line(v, "between two overlays", "previous/")
         r = embedq(*args[:-1])  # without --force: recovers, then refuses (an overlay is there)
         assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (at, r.stderr)
-        assert _settled_view(tree(model)) == _settled_view(old), at
-    assert sweep(args, model, reset, old, new, view=view, also=between, extra=rerun_puts_old_back) >= 1
+        assert _settled_view(tree(model)) == _settled_view(expect), at
+        assert ("is back" in r.stderr) == (expect is old and at not in ("staged:1", "committed:1")), \
+            (at, r.stderr)
+    assert sweep(args, model, reset, old, new, view=view, also=between, extra=rerun_settles) >= 1
     assert tree(src) == pristine and not leftovers(tmp_path)
+
+
+def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
+    """A second kill while the next run puts the old overlay back: at every point the files
+    that pair (quantization_config.json with the tables; config.json's switch) belong to one
+    overlay, and a third run finishes the recovery."""
+    model, reset, args, old, new = _requantize(bundle, tmp_path)
+    pair = ("config.json", "quantization_config.json", "embedq.safetensors")
+    orig = tree(bundle[0])["config.json"]
+
+    def state(t):
+        return tuple(t.get(k) for k in pair)
+    allowed = {(orig, None, new["embedq.safetensors"]), (orig, None, old["embedq.safetensors"]),
+               (orig, old["quantization_config.json"], old["embedq.safetensors"]), state(old)}
+    for k in range(1, 12):
+        reset()
+        assert embedq(*args, kill_at="committed:3").returncode == -9  # the new tables are in
+        r = embedq(*args[:-1], kill_at=f"committed:{k}")
+        if r.returncode != -9:
+            assert r.returncode == 2 and "is back" in r.stderr, r.stderr
+            break
+        assert state(tree(model)) in allowed, k
+        r = embedq(*args[:-1])
+        assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (k, r.stderr)
+        assert _settled_view(tree(model)) == _settled_view(old), k
+    assert k >= 4, k  # the new config removed, then tables, config, index, config.json put back
 
 
 def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):

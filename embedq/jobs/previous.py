@@ -6,12 +6,18 @@ loader reads the original model. Before that switch the old overlay's files are 
 into ``.embedq/previous/`` (no data is copied, so a full disk does not stop it), with a
 journal written last. A failure during the commit (a full disk, Ctrl-C, a read-only file)
 puts them back by renames, which need no space; a kill leaves the folder, and the next
-embedq run that takes the folder's lock (:func:`recover`) puts the old overlay back first.
-Either way the folder ends with the old overlay or the complete new one.
+embedq run that takes the folder's lock (:func:`recover`) puts the old overlay back first,
+unless the kill came after config.json's switch (the new overlay is complete and stays).
+Either way the folder ends with the old overlay or the complete new one; between the kill
+and that run, loaders may read the original model (config.json switched off) and
+``embedq.load`` the new tables with their own settings (quantization_config.json), never
+one overlay's settings over the other's tables. Without hard links (some filesystems)
+nothing is kept and a failed commit leaves the original model.
 
 ``.embedq/`` may come from elsewhere (a download): a journal is used only while every file
 it names is the very inode it recorded (device, inode, size; a copied folder has new
-inodes), and only the four files an overlay commit changes are ever put back.
+inodes), in ``previous/`` or already put back, and only the four files an overlay commit
+changes are ever put back; anything else there is deleted unused, with a line saying so.
 """
 
 from __future__ import annotations
@@ -94,9 +100,11 @@ def keep(path: Path) -> Path | None:
 
 def _journal(d: Path) -> dict[str, list[int]] | None:
     """The journal's files when every one is still the inode it recorded; else None."""
-    try:
-        fd = os.open(d / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # never blocks (a FIFO) and reads only a regular file
+        fd = os.open(d / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             raw = os.read(fd, 1 << 16)
         finally:
             os.close(fd)
@@ -121,57 +129,113 @@ def _journal(d: Path) -> dict[str, list[int]] | None:
     return files
 
 
-def _ours(p: Path) -> bool:
-    """A ``quantization_config.json`` of embedq's (another tool's is never removed)."""
+def _json_file(p: Path):
     try:
         if p.is_symlink() or not p.is_file() or p.stat().st_size > 1 << 20:
-            return False
-        qc = json.loads(p.read_bytes())
+            return None
+        return json.loads(p.read_bytes())
     except (OSError, ValueError, RecursionError):
-        return False
+        return None
+
+
+def _ours(p: Path) -> bool:
+    """A ``quantization_config.json`` of embedq's (another tool's is never removed)."""
+    qc = _json_file(p)
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
-def restore(path: Path) -> bool:
-    """Put the kept overlay back (renames, idempotent); True when it was."""
-    path = Path(path)
+def _new_is_complete(path: Path, files: dict[str, list[int]]) -> bool:
+    """Whether the commit got past its switch: config.json is a new file naming the
+    quantization_config.json beside it (the kept config.json is the old one)."""
+    try:
+        if _ident(os.lstat(path / CONFIG_NAME)) == files.get(CONFIG_NAME) \
+                or _ident(os.lstat(path / OVERLAY_NAME)) == files[OVERLAY_NAME]:
+            return False
+    except OSError:
+        return False
+    cfg, qc = _json_file(path / CONFIG_NAME), _json_file(path / QCONFIG_NAME)
+    return isinstance(cfg, dict) and _ours(path / QCONFIG_NAME) and cfg.get("quantization_config") == qc
+
+
+def _decide(path: Path) -> tuple[str, dict[str, list[int]] | None]:
+    """What :func:`restore` would do here, and the journal's files (read only)."""
     d = _folder(path)
+    if d.is_dir() and not d.is_symlink() and not os.path.lexists(d / JOURNAL):
+        return "unchanged", None  # killed while keeping: nothing was switched yet
     files = _journal(d) if d.is_dir() and not d.is_symlink() else None
     if files is None:
+        return "void", None
+    if _new_is_complete(path, files):
+        return "complete", files
+    if all(os.path.lexists(path / n) and _ident(os.lstat(path / n)) == i for n, i in files.items()):
+        return "unchanged", files  # killed before the switch began: the old overlay never went
+    return "restore", files
+
+
+def pending(path: Path) -> bool:
+    """Whether a killed commit's old overlay waits in ``.embedq/previous/`` (read only)."""
+    d = _folder(path)
+    return (d.is_symlink() or d.exists()) and _decide(Path(path))[0] == "restore"
+
+
+def restore(path: Path) -> str:
+    """Put the kept overlay back by renames (idempotent; a test kill point after each).
+
+    ``"restored"``; ``"complete"`` when the new overlay had been committed (it stays, the
+    kept one is dropped); ``"unchanged"`` when nothing was switched yet; ``"void"`` for a
+    journal that is not this folder's (dropped)."""
+    path = Path(path)
+    d = _folder(path)
+    what, files = _decide(path)
+    if what != "restore":
         discard(path)
-        return False
+        return what
     new_qc = path / QCONFIG_NAME
     if (d / QCONFIG_NAME).exists() and _ours(new_qc):
         new_qc.unlink()  # the new settings never sit beside the old tables
         staging.fsync_dir(path)
-    for name in KEPT:
+        staging.kill_point("committed")
+    for name in KEPT:  # config.json, the switch, last
         if name in files and ((d / name).is_symlink() or (d / name).exists()):
             os.replace(d / name, path / name)
             staging.fsync_dir(path)
+            staging.fsync_dir(d)
+            staging.kill_point("committed")
     discard(path)
-    return True
+    return "restored"
 
 
 def discard(path: Path) -> None:
     """Drop ``.embedq/previous/``: the journal first, so a half-removed folder is void."""
     d = _folder(path)
-    if d.is_symlink() or d.is_file():
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):  # a link, file or FIFO in its place
         d.unlink()
         return
-    if not d.is_dir():
-        return
-    with contextlib.suppress(FileNotFoundError):
-        (d / JOURNAL).unlink()
+    j = d / JOURNAL
+    if j.is_dir() and not j.is_symlink():
+        shutil.rmtree(j)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            j.unlink()
     staging.fsync_dir(d)
     shutil.rmtree(d)
 
 
 def recover(path: Path) -> bool:
-    """At the start of a run holding the lock: put back an overlay a killed commit switched off."""
+    """At the start of a run holding the lock: put back an overlay a killed commit switched
+    off (or keep the new one if it got past its switch); True when it was put back."""
     d = _folder(path)
     if not d.is_symlink() and not d.exists():
         return False
-    if not restore(path):
+    what = restore(path)
+    if what in ("complete", "unchanged"):
         return False
-    staging.announce(Path(path), [f"{STATE_DIR}/{PREVIOUS}/ (the overlay it had switched off is back)"])
-    return True
+    note = ("the overlay it had switched off is back" if what == "restored" else
+            "an interrupted run's earlier overlay, whose files are not this folder's own "
+            "(copied or moved since?): not put back")
+    staging.announce(Path(path), [f"{STATE_DIR}/{PREVIOUS}/ ({note})"])
+    return what == "restored"

@@ -11,7 +11,8 @@ removed, then config.json back to the original), so a crash anywhere leaves the 
 overlay (before that switch), the original config.json (the overlay is invisible to
 loaders) or the complete new overlay. The old overlay's files are hard-linked into
 ``.embedq/previous/`` before the switch (jobs/previous.py): a failure puts them back at
-once, and after a kill the next run that takes the folder's lock does.
+once, and after a kill before config.json's switch the next run that takes the folder's
+lock does (after it, the new overlay is complete and stays).
 
 A downloaded folder may carry a ``.embedq/`` of its own, so nothing in it is trusted
 blindly (docs/security.md): ``state.json`` may name only the two files embedq backs up,

@@ -15,6 +15,7 @@ KIND = "llama_untied_sharded"
 
 def _overlaid(model_factory, tmp_path):
     m = tmp_path / "m"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copytree(model_factory(KIND), m, symlinks=True)
     assert embedq("quantize", m, "-q", "--lm-head", "--bits", "8").returncode == 0
     return m
@@ -34,6 +35,7 @@ def test_forged_journal_is_dropped(model_factory, tmp_path):
     before = {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")}
     r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8")  # refused: an overlay is there
     assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, r.stderr
+    assert "not this folder's own" in r.stderr and "not put back" in r.stderr, r.stderr
     assert {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")} == before
     assert not prev.exists()
 
@@ -53,3 +55,36 @@ def test_copied_killed_folder_reads_as_its_files(model_factory, tmp_path):
     assert not (copy / ".embedq").exists() and "quantization_config.json" not in tree(copy)
     assert embedq("remove", m).returncode == 0  # the original folder: put back, then removed
     assert tree(m) == tree(model_factory(KIND))
+
+
+def _plant(m, what):
+    prev = m / ".embedq" / "previous"
+    if what == "fifo previous":
+        os.mkfifo(prev)
+        return
+    prev.mkdir()
+    j = prev / "journal.json"
+    if what == "fifo journal":
+        os.mkfifo(j)
+    elif what == "journal folder":
+        j.mkdir()
+        (j / "x").write_text("{}")
+    elif what == "link journal":
+        (m.parent / "elsewhere.json").write_text('{"files": {}}')
+        j.symlink_to(m.parent / "elsewhere.json")
+
+
+def test_odd_previous_never_hangs_or_sticks(model_factory, tmp_path):
+    """A FIFO (which a plain open() would block on), a folder or a link where the journal
+    or ``previous/`` goes: each run drops it and goes on; nothing outside is touched."""
+    for what in ("fifo journal", "journal folder", "fifo previous", "link journal"):
+        m = _overlaid(model_factory, tmp_path / what.replace(" ", "_"))
+        _plant(m, what)
+        before = {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")}
+        r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8", timeout=60)
+        assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (what, r.stderr)
+        assert not os.path.lexists(m / ".embedq" / "previous"), what
+        assert {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")} == before, what
+        if what == "link journal":
+            assert (m.parent / "elsewhere.json").read_text() == '{"files": {}}'
+        assert embedq("remove", m).returncode == 0, what
