@@ -7,7 +7,7 @@ skip with that reason; run them in the vLLM venv, which ships Triton:
 ``scripts/test_vllm.sh`` does (``~/.cache/embedq/vllm-venv/bin/python -m pytest tests/gpu``).
 The dispatch tests (mocked device checks) need no Triton.
 
-Logits bound (see tests/perf/test_fastpath.py for the derivation): the kernel's dot sees
+Logits bound (see tests/perf/fastpathutil.py for the derivation): the kernel's dot sees
 the exact integers ``q - zp``, accumulates in float32 and applies the float32 scale, so
 its error is one output rounding plus float32 accumulation; the reference (float64 here)
 has none. Per element ``|y - ref| <= (2u + K*2^-24) * A``, ``A = |x| @ |W|^T``.

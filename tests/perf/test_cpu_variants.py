@@ -4,9 +4,10 @@ Variants are selected as users' CPUs would select them: ``EMBEDQ_CPU_FEATURES`` 
 features away before the table is prepared (``-avx512_bf16``: the AVX2 build;
 ``none``: the portable C build), and the test asserts which kernel ran (no silent
 fallback to the chunked reference). A variant the hardware cannot run is skipped with the
-feature it lacks; the AVX512-BF16 kernel's own cases are in ``test_fastpath.py``.
+feature it lacks; the AVX512-BF16 kernel's own cases are in ``test_fastpath.py`` and
+``test_fastpath_x86.py``.
 
-Bound (derived as in ``test_fastpath.py``, checked by its ``_check_linear``): the AVX2 and
+Bound (derived as in ``fastpathutil.py``, checked by its ``_check_linear``): the AVX2 and
 portable kernels decode each weight to the reference's own float32 ``(q - z) * s`` (M > 2)
 or apply ``s`` and ``z * sum(x)`` after a float32 dot (AVX2, M <= 2); activations are
 converted to float32 exactly. Against ``F.linear(x, W.to(x.dtype))`` the error per output
@@ -29,14 +30,14 @@ from embedq.kernels import PreparedTable, dispatch
 from embedq.kernels import prepared as fastpath
 from embedq.kernels.layouts import Native
 from embedq.quant.rtn import quantize_rtn
-from tests.perf.test_fastpath import _check_linear, _wabs
+from tests.perf.fastpathutil import _check_linear, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 # Every native row taking every activation dtype (the AVX512-BF16 row's own cases are in
-# test_fastpath.py), and the EMBEDQ_CPU_FEATURES that selects it on a CPU that has it:
-# exactly the features its library needs ("none" for the portable build). A new CPU
-# family's row is tested here with no edit.
+# test_fastpath.py and test_fastpath_x86.py), and the EMBEDQ_CPU_FEATURES that selects it on
+# a CPU that has it: exactly the features its library needs ("none" for the portable
+# build). A new CPU family's row is tested here with no edit.
 VARIANTS = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and r.lib is not None
             and set(r.acts) >= {BF, F16, F32} and r.act == "exact" and r.m_max is None and r.m_min == 1}
 SELECT = {isa: ",".join(r.lib.needs) or "none" for isa, r in VARIANTS.items()}

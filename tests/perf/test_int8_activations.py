@@ -19,7 +19,7 @@ import torch
 from embedq.kernels import PreparedTable, actquant, dispatch, native_f32
 from embedq.kernels.layouts import Native
 from tests.perf.test_cpu_variants import SELECT, _table
-from tests.perf.test_fastpath import U, _check_linear, _wabs
+from tests.perf.fastpathutil import U, _check_linear, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 A8 = {r.isa: r for r in dispatch.ROUTES if r.layout is Native and r.act == "int8"}

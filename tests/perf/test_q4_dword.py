@@ -13,7 +13,7 @@ import torch
 from embedq.kernels import PreparedTable, dispatch, native_f32
 from embedq.kernels.layouts import NativeQ4D
 from tests.perf.test_cpu_variants import _table
-from tests.perf.test_fastpath import _check_linear, _wabs
+from tests.perf.fastpathutil import _check_linear, _wabs
 
 BF, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 ROWS = {r.isa: r for r in dispatch.ROUTES if r.layout is NativeQ4D}

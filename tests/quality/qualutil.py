@@ -73,7 +73,7 @@ def set_table(folder: Path, tensor: str, value: torch.Tensor) -> None:
 # (x is the head's input, the same in both models: the quantized embedding returns the
 # reference table's rows bit for bit). float32 activations: u = 2^-24, the same bound (the
 # kernels' products are exact, their float32 sums run in another order: the AMX kernel sums
-# 3 exact bf16 parts of x in tiles; see test_fastpath).
+# 3 exact bf16 parts of x in tiles; see test_fastpath_x86).
 def _unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 

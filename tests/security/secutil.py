@@ -5,16 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from hypothesis import HealthCheck, example, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from embedq.cli import app
+from embedq.errors import EmbedqError
 from embedq.format.digest import digest_for, hexdigest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +109,10 @@ def set_source_row(folder: Path, tensor: str, row: int, value: float) -> None:
     save_file(t, str(file), metadata=meta)
 
 
-# --- the fuzz suites (test_fuzz_files.py): one harness, counts printed at the end ---------
+# --- the fuzz suites (test_fuzz_safetensors.py, test_fuzz_config_json.py, test_fuzz_onnx.py):
+# one harness, counts printed at the end. Every example ends in success or one
+# ``embedq: error:`` line (an EmbedqError from the Python API), never a traceback, and leaves
+# the source folder as it was; their pristine folders are conftest.py's ``made``.
 
 FUZZ_COUNTS: dict[str, dict[str, int]] = {}
 
@@ -136,3 +143,57 @@ def ends_cleanly(*args) -> tuple[bool, str]:
     errs = [ln for ln in out.splitlines() if ln.startswith("embedq: error:")]
     assert len(errs) == 1, out
     return False, out
+
+
+def examples(*cases):
+    """Each case as an explicit hypothesis example (run on top of the generated ones), so
+    that every kind of mutation is tried in every run."""
+    def deco(test):
+        for c in reversed(cases):
+            test = example(m=c)(test)
+        return test
+    return deco
+
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2 ** 65), max_value=2 ** 65),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=10))
+json_value = st.recursive(json_leaf, lambda c: st.one_of(st.lists(c, max_size=3),
+                                                          st.dictionaries(st.text(max_size=6), c, max_size=3)),
+                          max_leaves=5)
+
+
+def _copy(src: Path, tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("fz") / src.name
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _in_place(test: str, folder: Path, *extra) -> None:
+    """``quantize`` in place: refused with the folder unchanged, or done, verified, and
+    removed again, restoring every file."""
+    before = tree(folder)
+    ok, _ = ends_cleanly("quantize", folder, "-q", *extra)
+    count(test, "quantize ok" if ok else "quantize refused")
+    if not ok:
+        assert tree(folder) == before
+        return
+    ends_cleanly("verify", folder)
+    ok, out = ends_cleanly("remove", folder)
+    assert ok, out
+    assert tree(folder) == before
+
+
+def _python_api(test: str, fn, *args) -> bool:
+    """Success, or an :class:`EmbedqError` with a one-line message."""
+    try:
+        fn(*args)
+    except EmbedqError as e:
+        assert "\n" not in str(e), str(e)
+        count(test, f"{fn.__name__} refused")
+        return False
+    count(test, f"{fn.__name__} ok")
+    return True

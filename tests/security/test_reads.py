@@ -253,7 +253,7 @@ def test_inside_missing_file_is_returned(tmp_path):
 def test_onnx_external_data_in_an_hf_cache_snapshot(model_factory, tmp_path):
     """An ONNX graph and its external data as snapshot links into ``blobs/`` are read;
     external data linking into another repository's blobs is refused."""
-    from test_fuzz_files import _graph, _table, apply_onnx
+    from test_fuzz_onnx import _graph, _table, apply_onnx
     q = model_factory("qwen2_tied")
     bundle = tmp_path / "bundle"
     embedq.quantize(q, 8, output=bundle, overlay_only=True, progress=False)
