@@ -169,6 +169,33 @@ def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
     assert k >= 4, k  # the new config removed, then tables, config, index, config.json put back
 
 
+def test_requantize_killed_after_switch_with_large_config(model_factory, tmp_path):
+    """Killed after config.json's switch, a config.json over 1 MiB (long vocab lists): the
+    new overlay is complete and stays (its size once hid the switch and rolled it back)."""
+    import json
+    first, model = tmp_path / "first", tmp_path / "model"
+    shutil.copytree(model_factory("qwen2_tied"), first)
+    cfg = json.loads((first / "config.json").read_text())
+    cfg["padding_for_test"] = "x" * (1100 << 10)
+    (first / "config.json").write_text(json.dumps(cfg))
+    assert embedq("quantize", first, "-q", "--bits", "8").returncode == 0
+    old_cfg = (first / "config.json").read_bytes()
+    args = ("quantize", model, "-q", "--bits", "4", "--force")
+    for n in range(1, 12):
+        _fresh(first, model)()
+        assert embedq(*args, kill_at=f"committed:{n}").returncode == -9, n
+        now = (model / "config.json").read_bytes()
+        if now != old_cfg and b'"quantization_config"' in now:
+            break  # killed right after the switch, before the kept overlay was dropped
+    assert (model / ".embedq" / "previous" / "journal.json").exists()
+    new_qc = (model / "quantization_config.json").read_bytes()
+    assert embedq("verify", model).returncode == 0
+    r = embedq(*args[:-1])  # refused: the new overlay is there, complete
+    assert r.returncode == 2 and "is back" not in r.stderr, r.stderr
+    assert (model / "quantization_config.json").read_bytes() == new_qc
+    assert not (model / ".embedq" / "previous").exists()
+
+
 def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):
     """Ctrl-C (an exception, as a full disk is) at each commit of ``quantize --force`` in
     place: exit 130 and the old overlay exactly, or the new one; nothing kept or staged."""

@@ -17,7 +17,8 @@ nothing is kept and a failed commit leaves the original model.
 ``.embedq/`` may come from elsewhere (a download): a journal is used only while every file
 it names is the very inode it recorded (device, inode, size; a copied folder has new
 inodes), in ``previous/`` or already put back, and only the four files an overlay commit
-changes are ever put back; anything else there is deleted unused, with a line saying so.
+changes are ever put back; anything else there is deleted unused, with a line saying so
+(silently for a ``previous/`` without a journal: a run killed before anything was switched).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from embedq.errors import OverlayError
 from embedq.format import staging
 from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME, STATE_DIR
 from embedq.format.constants import QUANT_METHOD
@@ -40,6 +42,7 @@ JOURNAL = "journal.json"
 # put back in this order: the new quantization_config.json goes first (so the old tables
 # never sit beside it), config.json — the commit point — last
 KEPT = (OVERLAY_NAME, QCONFIG_NAME, INDEX_NAME, CONFIG_NAME)
+MAX_JSON_BYTES = 256 << 20  # as state.MAX_BACKUP_BYTES: a config.json may be large
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
 
 
@@ -100,7 +103,9 @@ def keep(path: Path) -> Path | None:
 
 def _journal(d: Path) -> dict[str, list[int]] | None:
     """The journal's files when every one is still the inode it recorded; else None."""
-    try:  # never blocks (a FIFO) and reads only a regular file
+    try:  # reads only a regular file: never opens a FIFO (it would block) or a device
+        if not stat.S_ISREG(os.lstat(d / JOURNAL).st_mode):
+            return None
         fd = os.open(d / JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -131,7 +136,7 @@ def _journal(d: Path) -> dict[str, list[int]] | None:
 
 def _json_file(p: Path):
     try:
-        if p.is_symlink() or not p.is_file() or p.stat().st_size > 1 << 20:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size > MAX_JSON_BYTES:
             return None
         return json.loads(p.read_bytes())
     except (OSError, ValueError, RecursionError):
@@ -145,16 +150,17 @@ def _ours(p: Path) -> bool:
 
 
 def _new_is_complete(path: Path, files: dict[str, list[int]]) -> bool:
-    """Whether the commit got past its switch: config.json is a new file naming the
-    quantization_config.json beside it (the kept config.json is the old one)."""
+    """Whether the commit got past its switch: config.json is not the kept one and names an
+    embedq overlay (between the switch-off and the switch it is the original, naming none)."""
     try:
         if _ident(os.lstat(path / CONFIG_NAME)) == files.get(CONFIG_NAME) \
                 or _ident(os.lstat(path / OVERLAY_NAME)) == files[OVERLAY_NAME]:
             return False
     except OSError:
         return False
-    cfg, qc = _json_file(path / CONFIG_NAME), _json_file(path / QCONFIG_NAME)
-    return isinstance(cfg, dict) and _ours(path / QCONFIG_NAME) and cfg.get("quantization_config") == qc
+    cfg = _json_file(path / CONFIG_NAME)
+    named = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return isinstance(named, dict) and named.get("quant_method") == QUANT_METHOD
 
 
 def _decide(path: Path) -> tuple[str, dict[str, list[int]] | None]:
@@ -191,12 +197,12 @@ def restore(path: Path) -> str:
         discard(path)
         return what
     new_qc = path / QCONFIG_NAME
-    if (d / QCONFIG_NAME).exists() and _ours(new_qc):
+    if os.path.lexists(d / QCONFIG_NAME) and _ours(new_qc):
         new_qc.unlink()  # the new settings never sit beside the old tables
         staging.fsync_dir(path)
         staging.kill_point("committed")
     for name in KEPT:  # config.json, the switch, last
-        if name in files and ((d / name).is_symlink() or (d / name).exists()):
+        if name in files and os.path.lexists(d / name) and _ident(os.lstat(d / name)) == files[name]:
             os.replace(d / name, path / name)
             staging.fsync_dir(path)
             staging.fsync_dir(d)
@@ -216,13 +222,18 @@ def discard(path: Path) -> None:
         d.unlink()
         return
     j = d / JOURNAL
-    if j.is_dir() and not j.is_symlink():
-        shutil.rmtree(j)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            j.unlink()
-    staging.fsync_dir(d)
-    shutil.rmtree(d)
+    try:
+        if j.is_dir() and not j.is_symlink():
+            shutil.rmtree(j)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                j.unlink()
+        staging.fsync_dir(d)
+        shutil.rmtree(d)
+    except (OSError, RecursionError) as e:  # one line naming the folder, not "unexpected"
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "nested too deep"
+        raise OverlayError(f"{d}: cannot remove it ({why}); it is embedq's scratch space "
+                           "(an interrupted run's earlier overlay): delete it by hand") from None
 
 
 def recover(path: Path) -> bool:

@@ -349,12 +349,12 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
         if kept is None:
             _restore(path, backup, links)
         else:  # the old overlay again, by renames (a full disk cannot stop them)
-            with contextlib.suppress(OSError):  # else the next run's recover() does it
+            with contextlib.suppress(OSError, OverlayError):  # else the next run recovers
                 previous.restore(path)
                 cleanup_partials(path)
         raise
     if kept is not None:
-        with contextlib.suppress(OSError):  # the new overlay is complete: the old one is void
+        with contextlib.suppress(OSError, OverlayError):  # complete: the kept one is void
             previous.discard(path)
 
 

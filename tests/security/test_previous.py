@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-from faultutil import embedq, tree
+from faultutil import embedq, one_error_line, tree
 
 KIND = "llama_untied_sharded"
 
@@ -88,3 +88,38 @@ def test_odd_previous_never_hangs_or_sticks(model_factory, tmp_path):
         if what == "link journal":
             assert (m.parent / "elsewhere.json").read_text() == '{"files": {}}'
         assert embedq("remove", m).returncode == 0, what
+
+
+def test_deep_previous_is_one_line_naming_it(model_factory, tmp_path):
+    """A ``previous/`` too deep for rmtree: one line naming it and the fix, not "unexpected"."""
+    m = _overlaid(model_factory, tmp_path)
+    d = m / ".embedq" / "previous"
+    deep = d
+    d.mkdir()
+    for _ in range(1200):  # os.makedirs itself recurses
+        deep = deep / "d"
+        deep.mkdir()
+    r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8", "--force")
+    one_error_line(r, str(d), "delete it by hand")
+    while deep != d.parent:  # bottom-up: pytest's own cleanup would recurse too deep
+        deep.rmdir()
+        deep = deep.parent
+    assert embedq("quantize", m, "-q", "--lm-head", "--bits", "8", "--force").returncode == 0
+
+
+def test_journal_file_not_recorded_is_not_put_back(model_factory, tmp_path):
+    """A journal whose config.json entry matches the folder's own file ("already put back")
+    never makes embedq rename a ``previous/config.json`` it did not record."""
+    m = _overlaid(model_factory, tmp_path)
+    prev = m / ".embedq" / "previous"
+    prev.mkdir()
+    (prev / "config.json").write_text('{"model_type": "forged"}')
+    files = {n: list((lambda st: [st.st_dev, st.st_ino, st.st_size])(os.lstat(m / n)))
+             for n in ("config.json", "quantization_config.json", "embedq.safetensors")}
+    os.link(m / "embedq.safetensors", prev / "embedq.safetensors")
+    (m / "quantization_config.json").rename(prev / "quantization_config.json")  # "switched off"
+    (prev / "journal.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    r = embedq("remove", m)
+    assert r.returncode == 0, r.stderr
+    assert "forged" not in (m / "config.json").read_text()
+    assert tree(m) == tree(model_factory(KIND))
