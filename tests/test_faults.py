@@ -214,6 +214,30 @@ def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):
     assert n > 3 and "old" in seen, (n, seen)
 
 
+def test_apply_force_over_an_overlay_interrupted_at_every_commit(bundle, tmp_path):
+    """``apply --force`` of a bundle over an in-place overlay of other settings, Ctrl-C at
+    each commit: the old overlay exactly, or the new one; nothing kept or staged."""
+    src, ov, _ = bundle
+    first, model = tmp_path / "first", tmp_path / "model"
+    _fresh(src, first)()
+    assert embedq("quantize", first, "-q", "--lm-head", "--bits", "4").returncode == 0
+    reset = _fresh(first, model)
+    args = ("apply", model, "--overlay", ov, "--force")
+    old, new = tree(first), _clean_run(reset, model, *args)
+    seen = set()
+    for n in range(1, 12):
+        reset()
+        r = embedq(*args, kill_at=f"committed:{n}", sig="INT")
+        if r.returncode == 0:
+            break
+        assert r.returncode == 130 and "Traceback" not in r.stderr, (n, r.stderr)
+        now = _settled_view(tree(model))
+        assert now in (_settled_view(old), _settled_view(new)), n
+        seen.add("old" if now == _settled_view(old) else "new")
+        assert not leftovers(model), n
+    assert n > 3 and "old" in seen, (n, seen)
+
+
 def test_requantize_in_place_full_disk_after_switch(bundle, tmp_path, monkeypatch):
     """A full disk when the new quantization_config.json is written (after the old overlay
     was switched off and the new tables renamed in): the old overlay is back, by renames."""

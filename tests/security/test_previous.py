@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 from faultutil import embedq, one_error_line, tree
 
@@ -99,11 +100,11 @@ def test_deep_previous_is_one_line_naming_it(model_factory, tmp_path):
     for _ in range(1200):  # os.makedirs itself recurses
         deep = deep / "d"
         deep.mkdir()
-    r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8", "--force")
-    one_error_line(r, str(d), "delete it by hand")
-    while deep != d.parent:  # bottom-up: pytest's own cleanup would recurse too deep
-        deep.rmdir()
-        deep = deep.parent
+    try:
+        r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8", "--force")
+        one_error_line(r, str(d), "delete it by hand")
+    finally:  # bottom-up, always: pytest's own cleanup of old runs would recurse too deep
+        subprocess.run(["rm", "-rf", str(d)], check=True)
     assert embedq("quantize", m, "-q", "--lm-head", "--bits", "8", "--force").returncode == 0
 
 
