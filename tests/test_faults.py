@@ -289,11 +289,16 @@ def test_ctrl_c_at_each_commit_of_apply(bundle, tmp_path):
         assert not leftovers(base), n
 
 
-@pytest.mark.parametrize("verb", ["apply", "quantize-output", "card"])
+@pytest.mark.parametrize("verb", ["apply", "quantize-output", "card", "remove"])
 def test_full_disk(bundle, tmp_path, verb):
     """RLIMIT_FSIZE below the output's size: writes fail with EFBIG, as on a full disk."""
     src, ov, derived = bundle
-    if verb == "apply":
+    if verb == "remove":  # the restored config.json does not fit: the overlay stays, whole
+        dest = tmp_path / "base"
+        _fresh(src, dest)()
+        assert embedq("apply", dest, "--overlay", ov).returncode == 0
+        args, limit, needle = ("remove", dest), 256, "File too large"
+    elif verb == "apply":
         dest = tmp_path / "base"
         _fresh(src, dest)()
         args, limit, needle = ("apply", dest, "--overlay", ov), 64 << 10, "File too large"
