@@ -120,7 +120,7 @@ def read_only(path: Path):
         subprocess.run(["umount", str(path)], check=True)
 
 
-def _settled(t: dict[str, str]) -> dict[str, str]:
+def settled(t: dict[str, str]) -> dict[str, str]:
     # the lock file keeps a killed holder's pid; the flock itself died with it
     return {k: v for k, v in without_leftovers(t).items() if k != ".embedq/lock"}
 
@@ -154,7 +154,7 @@ def sweep(args, dest: Path, reset, old: dict[str, str], new: dict[str, str], *,
             (at, sorted(set(now.items()) ^ set(view(old).items()), key=str))
         if extra:
             extra(at)
-        if _settled(tree(dest)) == _settled(new):
+        if settled(tree(dest)) == settled(new):
             return True  # killed after its last change: complete (a rerun is refused as after any run)
         if after_switch is not None and now == view(new):
             after_switch(at)

@@ -12,8 +12,7 @@ import shutil
 
 import pytest
 
-from faultutil import (embedq, leftovers, loaded_view, one_error_line, read_only, sweep, tree,
-                       without_leftovers)
+from faultutil import embedq, leftovers, loaded_view, one_error_line, read_only, settled, sweep, tree
 
 KIND = "llama_untied_sharded"  # embedding and head in different shards, 4 shards
 
@@ -101,8 +100,21 @@ def _requantize(bundle, tmp_path):
     return model, reset, args, tree(first), _clean_run(reset, model, *args)
 
 
-def _settled_view(t):
-    return {k: v for k, v in without_leftovers(t).items() if k != ".embedq/lock"}
+def _interrupt_each_commit(args, model, reset, old, new):
+    """Ctrl-C at each commit of ``embedq ARGS``: exit 130, the old tree exactly or the new
+    one (the lock file aside), nothing staged left; some point gives the old one back."""
+    seen = set()
+    for n in range(1, 12):
+        reset()
+        r = embedq(*args, kill_at=f"committed:{n}", sig="INT")
+        if r.returncode == 0:
+            break
+        assert r.returncode == 130 and "Traceback" not in r.stderr, (n, r.stderr)
+        now = settled(tree(model))
+        assert now in (settled(old), settled(new)), (n, sorted(set(now) ^ set(old)))
+        seen.add("old" if now == settled(old) else "new")
+        assert not leftovers(model), n
+    assert n > 3 and "old" in seen, (n, seen)
 
 
 def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
@@ -136,7 +148,7 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
             one_error_line(v, "between two overlays", "previous/")
         r = embedq(*args[:-1])  # without --force: recovers, then refuses (an overlay is there)
         assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (at, r.stderr)
-        assert _settled_view(tree(model)) == _settled_view(expect), at
+        assert settled(tree(model)) == settled(expect), at
         assert ("is back" in r.stderr) == (expect is old and at not in ("staged:1", "committed:1")), \
             (at, r.stderr)
     assert sweep(args, model, reset, old, new, view=view, also=between, extra=rerun_settles) >= 1
@@ -165,7 +177,7 @@ def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
         assert state(tree(model)) in allowed, k
         r = embedq(*args[:-1])
         assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, (k, r.stderr)
-        assert _settled_view(tree(model)) == _settled_view(old), k
+        assert settled(tree(model)) == settled(old), k
     assert k >= 4, k  # the new config removed, then tables, config, index, config.json put back
 
 
@@ -200,18 +212,7 @@ def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):
     """Ctrl-C (an exception, as a full disk is) at each commit of ``quantize --force`` in
     place: exit 130 and the old overlay exactly, or the new one; nothing kept or staged."""
     model, reset, args, old, new = _requantize(bundle, tmp_path)
-    seen = set()
-    for n in range(1, 12):
-        reset()
-        r = embedq(*args, kill_at=f"committed:{n}", sig="INT")
-        if r.returncode == 0:
-            break
-        assert r.returncode == 130 and "Traceback" not in r.stderr, (n, r.stderr)
-        now = _settled_view(tree(model))
-        assert now in (_settled_view(old), _settled_view(new)), (n, sorted(set(now) ^ set(old)))
-        seen.add("old" if now == _settled_view(old) else "new")
-        assert not leftovers(model), n
-    assert n > 3 and "old" in seen, (n, seen)
+    _interrupt_each_commit(args, model, reset, old, new)
 
 
 def test_apply_force_over_an_overlay_interrupted_at_every_commit(bundle, tmp_path):
@@ -224,18 +225,7 @@ def test_apply_force_over_an_overlay_interrupted_at_every_commit(bundle, tmp_pat
     reset = _fresh(first, model)
     args = ("apply", model, "--overlay", ov, "--force")
     old, new = tree(first), _clean_run(reset, model, *args)
-    seen = set()
-    for n in range(1, 12):
-        reset()
-        r = embedq(*args, kill_at=f"committed:{n}", sig="INT")
-        if r.returncode == 0:
-            break
-        assert r.returncode == 130 and "Traceback" not in r.stderr, (n, r.stderr)
-        now = _settled_view(tree(model))
-        assert now in (_settled_view(old), _settled_view(new)), n
-        seen.add("old" if now == _settled_view(old) else "new")
-        assert not leftovers(model), n
-    assert n > 3 and "old" in seen, (n, seen)
+    _interrupt_each_commit(args, model, reset, old, new)
 
 
 def test_requantize_in_place_full_disk_after_switch(bundle, tmp_path, monkeypatch):
@@ -259,7 +249,7 @@ def test_requantize_in_place_full_disk_after_switch(bundle, tmp_path, monkeypatc
     recipe = QuantizeRecipe(scheme=Scheme.default(4), lm_head=True, force=True, progress=False)
     with pytest.raises(OverlayError, match="No space left"):
         quantize_checkpoint(model, recipe)
-    assert _settled_view(tree(model)) == _settled_view(old)
+    assert settled(tree(model)) == settled(old)
 
 
 def test_card_killed(bundle, tmp_path):
