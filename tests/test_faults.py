@@ -9,12 +9,31 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from faultutil import embedq, leftovers, loaded_view, one_error_line, read_only, settled, sweep, tree
 
 KIND = "llama_untied_sharded"  # embedding and head in different shards, 4 shards
+NO_LINKS = Path(__file__).parent / "data" / "nolinks"  # its sitecustomize.py: os.link fails (EPERM)
+
+
+@pytest.fixture(params=["links", "no-links"])
+def fs(request, monkeypatch):
+    """The model folder's filesystem as every embedq process sees it: with hard links, or
+    without (exFAT, some FUSE mounts: the overlay a re-commit replaces is kept as copies)."""
+    if request.param == "no-links":
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(NO_LINKS), os.environ.get("PYTHONPATH")))))
+    return request.param
+
+
+def _kept_as(model) -> str:
+    """How ``.embedq/previous/`` holds the old overlay: "links" (each kept file the very inode
+    it was kept from) or "no-links" (copies), as its journal records."""
+    import json
+    journal = json.loads((model / ".embedq" / "previous" / "journal.json").read_text())
+    return "links" if journal["files"] == journal["live"] else "no-links"
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +136,7 @@ def _interrupt_each_commit(args, model, reset, old, new):
     assert n > 3 and "old" in seen, (n, seen)
 
 
-def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
+def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path, fs):
     """``quantize --force`` over an in-place overlay of other settings: after a kill a loader
     reads the old overlay, the new one, or (between the two) the original model; never the
     old settings (config.json's or quantization_config.json's) over the new tables. The next
@@ -126,6 +145,9 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
     src, _, _ = bundle
     pristine = tree(src)
     model, reset, args, old, new = _requantize(bundle, tmp_path)
+    reset()
+    assert embedq(*args, kill_at="committed:3").returncode == -9
+    assert _kept_as(model) == fs
     original = pristine["config.json"]
     qc = "quantization_config.json"
     switch = ("config.json", "embedq.safetensors", qc)
@@ -155,7 +177,7 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path):
     assert tree(src) == pristine and not leftovers(tmp_path)
 
 
-def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
+def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path, fs):
     """A second kill while the next run puts the old overlay back: at every point the files
     that pair (quantization_config.json with the tables; config.json's switch) belong to one
     overlay, and a third run finishes the recovery."""
@@ -170,6 +192,7 @@ def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
     for k in range(1, 12):
         reset()
         assert embedq(*args, kill_at="committed:3").returncode == -9  # the new tables are in
+        assert _kept_as(model) == fs
         r = embedq(*args[:-1], kill_at=f"committed:{k}")
         if r.returncode != -9:
             assert r.returncode == 2 and "is back" in r.stderr, r.stderr
@@ -208,11 +231,47 @@ def test_requantize_killed_after_switch_with_large_config(model_factory, tmp_pat
     assert not (model / ".embedq" / "previous").exists()
 
 
-def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path):
+def test_requantize_in_place_interrupted_at_every_commit(bundle, tmp_path, fs):
     """Ctrl-C (an exception, as a full disk is) at each commit of ``quantize --force`` in
     place: exit 130 and the old overlay exactly, or the new one; nothing kept or staged."""
     model, reset, args, old, new = _requantize(bundle, tmp_path)
     _interrupt_each_commit(args, model, reset, old, new)
+
+
+def test_requantize_without_hard_links_no_room_for_the_copy(bundle, tmp_path, monkeypatch):
+    """No hard links, and the old overlay's copy does not fit (RLIMIT_FSIZE between the new
+    and the old tables' sizes: EFBIG, as a full disk): refused before anything is switched,
+    one line saying what to free; the old overlay exactly, nothing kept or staged."""
+    model, reset, args, old, _ = _requantize(bundle, tmp_path)
+    small = (model / "embedq.safetensors").stat().st_size  # the new 4-bit tables
+    reset()
+    big = (model / "embedq.safetensors").stat().st_size
+    assert small < big
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(NO_LINKS), os.environ.get("PYTHONPATH")))))
+    r = embedq(*args, fsize=(small + big) // 2)
+    one_error_line(r, str(model), "no room to keep the current overlay", "embedq remove")
+    assert settled(tree(model)) == settled(old) and not leftovers(model)
+    assert embedq("verify", model).returncode == 0
+
+
+def test_readers_refuse_a_folder_between_two_overlays(bundle, tmp_path):
+    """Killed between the old overlay's switch-off and the new one's switch: config.json is
+    the original model's, the tables the new ones. Every embedq reader refuses the folder with
+    one line (it read the new tables with their settings before) until a locked run settles it."""
+    import embedq as api
+    from embedq.errors import OverlayError
+    model, reset, args, old, _ = _requantize(bundle, tmp_path)
+    reset()
+    assert embedq(*args, kill_at="committed:3").returncode == -9
+    before = tree(model)
+    for verb in (("verify", model), ("inspect", model), ("onnx", "export", model, "-o", tmp_path / "x.onnx"),
+                 ("push", model, "--repo-id", "org/m", "--dry-run")):
+        one_error_line(embedq(*verb), "between two overlays", "previous/")
+    with pytest.raises(OverlayError, match="between two overlays"):
+        api.load(model)
+    assert tree(model) == before  # read only
+    r = embedq("remove", model)  # locked: the old overlay back first, then removed
+    assert r.returncode == 0 and "is back" in r.stderr, r.stderr
 
 
 def test_apply_force_over_an_overlay_interrupted_at_every_commit(bundle, tmp_path):

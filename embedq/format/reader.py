@@ -13,6 +13,7 @@ from embedq.errors import OverlayError
 from embedq.format.constants import CONFIG_NAME, OVERLAY_FORMAT, OVERLAY_SUFFIXES, QCONFIG_NAME, QUANT_METHOD
 from embedq.format.checkpoint import read_safetensors_header
 from embedq.format.files import inside, read_json
+from embedq.format.kept import check_settled
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
 from embedq.errors import EmbedqError
 from embedq.format.codec import unpack_zero_points
@@ -40,8 +41,10 @@ ITEMSIZE = {"I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4}
 
 def parse_overlay_config(path: str | os.PathLike) -> OverlayConfig:
     """The validated config of a folder: ``quantization_config.json``, else config.json's;
-    when both exist they must agree."""
+    when both exist they must agree. A folder a killed re-commit left between two overlays
+    is refused (``kept.check_settled``)."""
     p = Path(path)
+    check_settled(p)
     parsed = None
     if (p / QCONFIG_NAME).exists() or (p / QCONFIG_NAME).is_symlink():
         parsed = read_config_file(inside(p, QCONFIG_NAME))

@@ -185,11 +185,13 @@ def select_files(folder: str | os.PathLike, include: list[str] | tuple[str, ...]
 def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     """Refuse a folder that is not a complete embedq checkpoint or bundle; return warnings."""
     from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, check_config, index_weight_map, read_json
+    from embedq.format.kept import check_settled
     from embedq.format.reader import parse_overlay_config
     from embedq.format.checkpoint import read_safetensors_header
     if not folder.is_dir():
         raise EmbedqError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
     names = {p for p, _ in files}
+    check_settled(folder)  # between two overlays: its own line, not "not an embedq checkpoint"
     try:
         qconfig = parse_overlay_config(folder)
     except EmbedqError as e:

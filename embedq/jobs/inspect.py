@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from embedq.format.checkpoint import HubCheckpoint, open_checkpoint
 from embedq.format.constants import ST_FLOAT_NAMES
+from embedq.format.kept import check_settled
 from embedq.format.scheme import Scheme
 from embedq.jobs.targets import find_targets
 
@@ -69,6 +70,8 @@ def inspect_checkpoint(path: str | os.PathLike, revision: str | None = None) -> 
     Imports neither torch nor transformers when the model class's facts are cached
     (:mod:`embedq.jobs.archfacts`).
     """
+    if revision is None and os.path.isdir(path):
+        check_settled(path)  # a killed re-commit: config.json the original's, the tables new
     ckpt = open_checkpoint(path, revision=revision)
     t, tied_cfg = find_targets(ckpt)
     names = [("embedding", t.embedding)]

@@ -9,7 +9,7 @@ Commit order (config.json is the commit point):
 An overlay committed earlier is switched off first (its ``quantization_config.json``
 removed, then config.json back to the original), so a crash anywhere leaves the old
 overlay (before that switch), the original config.json (the overlay is invisible to
-loaders) or the complete new overlay. The old overlay's files are hard-linked into
+loaders) or the complete new overlay. The old overlay's files are hard-linked (or copied) into
 ``.embedq/previous/`` before the switch (jobs/previous.py): a failure puts them back at
 once, and after a kill before config.json's switch the next run that takes the folder's
 lock does (after it, the new overlay is complete and stays).
@@ -319,7 +319,7 @@ def commit_in_place(ckpt: Checkpoint, writer, qconfig: dict) -> None:
     if backup is None:  # none, or a stale one (base_state warned): back up what is on disk now
         backup = write_backup(path)
     links = _links(path)
-    kept = previous.keep(path)  # the committed overlay, hard-linked: put back if this fails
+    kept = previous.keep(path)  # the committed overlay, hard-linked or copied: put back if this fails
     try:
         # an overlay committed earlier (quantize --force, apply over an overlay) is switched
         # off first: its quantization_config.json goes (config.json still names the old

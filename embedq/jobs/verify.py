@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 from embedq.errors import OverlayError
-from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, STATE_DIR, Checkpoint
+from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from embedq.format.config import ModuleEntry
 from embedq.format.digest import hexdigest, new_hasher
+from embedq.format.kept import check_settled
 from embedq.format.reader import load_overlay
 from embedq.format.dtypes import dtype_from_name
 from embedq.quant.rtn import signed_max
@@ -74,11 +75,7 @@ def verify_overlay(path: str | os.PathLike) -> Report:
     if p.is_dir():  # what a killed run left here (dead runs' staging only; announced)
         from embedq.jobs.state import cleanup_partials
         cleanup_partials(p)
-        from embedq.jobs import previous
-        if previous.pending(p):  # read only: the next locked run settles it
-            raise OverlayError(f"{p}: an interrupted `quantize --force` / `apply --force` left this folder "
-                               f"between two overlays (the earlier one waits in {STATE_DIR}/previous/); rerun "
-                               "that command, or any embedq quantize/apply/remove here to put the earlier one back")
+        check_settled(p)  # between two overlays: read only, the next locked run settles it
     ov = load_overlay(p)
     cfg = ov.parsed
     file = ov.file
