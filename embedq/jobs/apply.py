@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from embedq.errors import OverlayError
+from embedq.errors import EmbedqError, OverlayError, TieError
 from embedq.jobs import state
 from embedq.format.checkpoint import CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, Checkpoint
 from embedq.format.config import OverlayConfig, parse_config, read_config_file
@@ -27,6 +28,9 @@ from embedq.format.files import check_writable, inside
 from embedq.format.dtypes import ST_NAME_TO_DTYPE
 from embedq.format.writer import StreamingSafetensorsWriter
 from embedq.jobs.report import ModuleReport, Report
+
+if TYPE_CHECKING:
+    from embedq.jobs.targets import Targets
 
 CHUNK = 64 << 20
 
@@ -62,10 +66,13 @@ def parse_bundle(overlay: str | os.PathLike) -> tuple[OverlayConfig, Path]:
 
 def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
     """Refuse a base whose source tables are not the ones the overlay was made from,
-    and an overlay that replaces anything but the base's embeddings and heads."""
+    an overlay that replaces anything but the base's embeddings and heads, and one that
+    ties (or unties) a head the base does not."""
     if isinstance(qconfig, dict):
         qconfig = parse_config(qconfig, "quantization_config.json")
-    allowed = _base_targets(ckpt)
+    found = _base_targets(ckpt)
+    allowed = None if found is None else \
+        {x for x in [found[0].embedding, found[0].head, *found[0].extra_embeddings] if x}
     for name, entry in qconfig.modules.items():
         src = entry.source
         tensor, want = src.tensor, src.digest
@@ -93,18 +100,43 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
     for alias, owner in qconfig.aliases.items():
         if allowed is not None and ckpt.has(alias + ".weight") and alias + ".weight" not in allowed:
             raise OverlayError(f"{qconfig.where}: alias {alias} is not an embedding or head of {ckpt.path}")
+    if found is not None:
+        _check_tie(ckpt, qconfig, *found)
 
 
-def _base_targets(ckpt: Checkpoint) -> set[str] | None:
-    """Tensor names an overlay may replace in ``ckpt``: its input and output embeddings
-    and MTP/draft tables (None when the model's targets cannot be determined)."""
-    from embedq.errors import EmbedqError
+def _base_targets(ckpt: Checkpoint) -> tuple[Targets, bool] | None:
+    """The base's targets (its input and output embeddings and MTP/draft tables) and
+    whether its config says tied (None when the model's targets cannot be determined)."""
     from embedq.jobs.targets import find_targets
     try:
-        t, _ = find_targets(ckpt)
+        return find_targets(ckpt)
     except EmbedqError:
         return None
-    return {x for x in [t.embedding, t.head, *t.extra_embeddings] if x}
+
+
+def _check_tie(ckpt: Checkpoint, qconfig: OverlayConfig, t: Targets, tied_cfg: bool) -> None:
+    """Refuse a bundle whose tie differs from the base's (overlay-format.md §4 rule 3: never
+    tie an untied model, or untie a tied one, silently). The base's tie is decided by the
+    rule ``quantize`` applies (:func:`embedq.jobs.targets.resolve_ties`); a base that rule
+    cannot decide without ``--trust-config``/``--trust-tensors`` takes the choice the bundle
+    records (made with one of them)."""
+    from embedq.jobs.targets import resolve_ties
+    identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
+    try:
+        base_tied = resolve_ties(t, tied_cfg, identical, None, str(ckpt.path / CONFIG_NAME))
+    except TieError:
+        return
+    if base_tied == qconfig.tied:
+        return
+    fix = f"quantize the base itself: embedq quantize {ckpt.path} ..."
+    if qconfig.tied:
+        has = f"has its own head {t.head}" if t.head else "has no output embedding (head)"
+        raise OverlayError(f"{qconfig.where}: the bundle ties the head to the embedding (made from a tied "
+                           f"model), but the base {ckpt.path} is untied and {has}; applying it would "
+                           f"serve the quantized embedding in its place; refusing; {fix}")
+    raise OverlayError(f"{qconfig.where}: the bundle was made from an untied model (its head is a table of "
+                       f"its own), but the base {ckpt.path} ties its head to the embedding; applying it "
+                       f"would untie the base; refusing; {fix}")
 
 
 def apply_overlay(base: str | os.PathLike, overlay: str | os.PathLike, *, force: bool = False) -> Report:

@@ -129,3 +129,73 @@ def test_apply_cli_and_missing_bundle(model_factory, derive, tmp_path):
     assert r.exit_code == 0, r.output
     assert f"embedq remove {base}" in r.output
     assert not [p for p in os.listdir(base) if p.endswith(".partial")]
+
+
+def _retie(path, *, tied: bool, head=None) -> None:
+    """Edit a one-file checkpoint in place: ``tie_word_embeddings`` set to ``tied``, and
+    ``lm_head.weight`` replaced by ``head`` (None: removed). The embedding is left bit for bit."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    tensors.pop("lm_head.weight", None)
+    if head is not None:
+        tensors["lm_head.weight"] = head
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = tied
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_apply_refuses_tied_bundle_on_untied_base(model_factory, derive):
+    """A bundle from a tied model aliases the head to the embedding: laid onto an untied
+    base with the same embedding, the base's own head would be served from it."""
+    from safetensors.torch import load_file
+    src, bundle, _ = derive("qwen2_tied", bits=4, overlay_only=True)
+    base = model_factory("qwen2_tied")
+    emb = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    _retie(base, tied=False, head=(emb.float() * 0.5 + 0.01).to(emb.dtype))
+    before = snapshot(base)
+    r = CliRunner().invoke(app, ["apply", str(base), "--overlay", str(bundle)])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith(f"embedq: error: {bundle / 'quantization_config.json'}: the bundle ties the head "
+                           f"to the embedding"), line
+    assert f"the base {base} is untied and has its own head lm_head.weight" in line
+    assert f"embedq quantize {base}" in line
+    assert snapshot(base) == before and not (base / ".embedq").exists()
+    # the same bundle still fits its own (tied) source
+    embedq.apply(src, bundle)
+    embedq.verify(src)
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_apply_refuses_untied_bundle_on_tied_base(model_factory, derive, lm_head):
+    """The reverse: a bundle from an untied model (its head float, or quantized from its own
+    head tensor) laid onto a tied base with the same embedding is refused, never untying it."""
+    _, bundle, _ = derive("llama_untied_fp32", overlay_only=True, lm_head=lm_head)
+    base = model_factory("llama_untied_fp32")
+    _retie(base, tied=True)
+    before = snapshot(base)
+    r = CliRunner().invoke(app, ["apply", str(base), "--overlay", str(bundle)])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    if lm_head:  # the head module's source tensor is not in the base at all
+        assert f"{base}: has no tensor lm_head.weight, which the overlay replaces" in line, line
+    else:
+        assert f"{bundle / 'quantization_config.json'}: the bundle was made from an untied model" in line, line
+        assert f"the base {base} ties its head to the embedding" in line and f"embedq quantize {base}" in line
+    assert snapshot(base) == before and not (base / ".embedq").exists()
+
+
+def test_apply_ambiguous_base_takes_the_bundles_choice(model_factory, derive):
+    """A base whose config says tied but whose head differs (quantize needs --trust-config or
+    --trust-tensors): the bundle made from it with one of them records that choice."""
+    from safetensors.torch import load_file
+    src = model_factory("qwen2_tied")
+    emb = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    _retie(src, tied=True, head=(emb.float() * 0.5).to(emb.dtype))
+    _, bundle, report = derive("qwen2_tied", source=src, overlay_only=True, trust="config")
+    assert report.tied
+    embedq.apply(src, bundle)
+    embedq.verify(src)
