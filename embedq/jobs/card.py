@@ -26,8 +26,8 @@ from embedq.errors import EmbedqError
 from embedq.format.checkpoint import QCONFIG_NAME, read_json
 from embedq.format.files import stays_inside, write_bytes_atomic
 from embedq.jobs.card_data import (CARD_NAME, EVAL_NAME, CardError, card_context, check_base_model,
-                                   check_card_inputs, check_revision, front_matter, infer_base,
-                                   load_eval, read_stored, validate_metadata)
+                                   check_card_inputs, check_revision, format_version_of, front_matter,
+                                   infer_base, load_eval, read_stored, validate_metadata)
 from embedq.jobs.card_render import render, render_eval
 
 
@@ -113,6 +113,11 @@ def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_mo
     if ctx is None:
         raise CardError(f"{path}: not a card written by embedq; refusing to overwrite it")
     ctx.pop("card_version", None)
+    if "format_version" not in ctx and (folder / QCONFIG_NAME).is_file():  # stored before it was kept
+        try:
+            ctx["format_version"] = format_version_of(read_json(folder / QCONFIG_NAME))
+        except EmbedqError:
+            pass
     if base_model:
         ctx["base_model"], ctx["base_model_source"] = check_base_model(base_model), "user"
         if not base_revision:

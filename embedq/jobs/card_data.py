@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embedq.errors import EmbedqError
+from embedq.format.constants import FORMAT_VERSION
 from embedq.format.files import read_json, stays_inside
 from embedq.format.scheme_units import unit_for
 
@@ -250,7 +251,7 @@ def stored_state(ctx: dict) -> dict:
     keep = ("mode", "base_model", "base_revision", "base_model_source", "library_name",
             "source_meta", "modules", "tied", "base_quantization", "eval", "repo_id", "title",
             "source_name", "folder_hint", "checkpoint_bytes_before", "checkpoint_bytes_after",
-            "embedq_version")
+            "embedq_version", "format_version")
     d = {k: ctx[k] for k in keep if ctx.get(k) is not None}
     d["card_version"] = CARD_VERSION
     return d
@@ -290,6 +291,13 @@ def _modules(report, qconfig: dict | None) -> list[dict]:
     return out
 
 
+def format_version_of(qconfig: dict | None) -> int:
+    """The overlay's ``format_version`` (what embedq writes, :data:`FORMAT_VERSION`, when
+    the card describes a run without its config at hand)."""
+    fv = qconfig.get("format_version") if isinstance(qconfig, dict) else None
+    return fv if isinstance(fv, int) and not isinstance(fv, bool) else FORMAT_VERSION
+
+
 def _bits_of(label: str) -> int:
     m = re.match(r"int(\d+)", label)
     return int(m.group(1)) if m else 8
@@ -310,6 +318,7 @@ def card_context(report, qconfig: dict | None = None, ckpt=None, *, base_model: 
     ctx: dict[str, Any] = {"mode": report.mode if report.mode in ("overlay-only",) else "derived",
                            "tied": bool(report.tied), "embedq_version": __version__}
     ctx["modules"] = _modules(report, qconfig)
+    ctx["format_version"] = format_version_of(qconfig)
     bm = check_base_model(base_model or extra.get("base_model"))
     rev = check_revision(base_revision or extra.get("base_revision"))
     src_path = Path(ckpt.path) if ckpt is not None else Path(report.path)
@@ -360,6 +369,6 @@ def card_context(report, qconfig: dict | None = None, ckpt=None, *, base_model: 
     return ctx
 
 
-__all__ = ["card_context", "front_matter", "validate_metadata", "load_eval", "read_stored", "stored_state",
+__all__ = ["card_context", "format_version_of", "front_matter", "validate_metadata", "load_eval", "read_stored", "stored_state",
            "infer_base", "check_card_inputs", "check_base_model", "check_revision", "is_repo_id",
            "CardError", "CARD_NAME", "EVAL_NAME", "CARD_VERSION", "MARK", "MARK_END"]

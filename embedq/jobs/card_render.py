@@ -228,10 +228,12 @@ def render(ctx: dict) -> str:
     if bq:
         b += [f"The source was already quantized (`{bq}`); that quantization is kept for every other "
               "layer and embedq serves only the tables above.", ""]
+    fv = ctx.get("format_version")  # the overlay's own (unknown in a card stored before it was kept)
     b += ["Format: `embedq.safetensors` holds `weight_packed` (int32, compressed-tensors "
           "pack-quantized layout), `weight_scale`, `weight_shape` (and `weight_zero_point` when "
           "asymmetric) per module; `quantization_config.json` (also in `config.json` for full "
-          "checkpoints) describes them (`quant_method: embedq`, format version 1).", ""]
+          "checkpoints) describes them (`quant_method: embedq`"
+          + (f", format version {fv}" if fv is not None else "") + ").", ""]
     b += ["## Source", ""]
     if base:
         rev = ctx.get("base_revision")

@@ -297,3 +297,26 @@ def test_eval_result_object_rendered(derive):
     res = evaluate.EvalResult(**{k: EVAL_RESULT[k] for k in fields})
     _, out, _ = derive("qwen2_tied", eval_results=res)
     _check_eval_rendering((out / "README.md").read_text())
+
+
+def test_card_names_the_overlays_format_version(derive):
+    """The card states the format version the overlay was written in (2), kept across a
+    refresh; a card stored before the version was kept takes it from the folder's config."""
+    from embedq.format.constants import FORMAT_VERSION
+    _, out, _ = derive("qwen2_tied", bits=4, overlay_only=True, base_model="Qwen/Qwen2-0.5B")
+    assert _qconfig(out)["format_version"] == FORMAT_VERSION == 2
+    text = (out / "README.md").read_text()
+    assert "`quant_method: embedq`, format version 2)" in text and "format version 1" not in text
+    r = CliRunner().invoke(app, ["card", str(out), "--stdout"])
+    assert r.exit_code == 0, r.output
+    assert "format version 2)" in r.output
+    # an older card: its stored state has no format_version
+    head, tail = text.rsplit("<!-- embedq-card ", 1)
+    state, end = tail.split(" -->", 1)
+    old = json.loads(state)
+    del old["format_version"]
+    (out / "README.md").write_text(head + "<!-- embedq-card " + json.dumps(old) + " -->" + end)
+    assert "format version 2)" in refresh_card(out, write=False)
+    (out / "quantization_config.json").unlink()  # nothing to take it from: no version claimed
+    again = refresh_card(out, write=False)
+    assert "(`quant_method: embedq`)." in again and "format version" not in again

@@ -77,7 +77,7 @@ class _Spec:
 
 
 class EmbedqConfig(QuantizationConfig):
-    """The ``embedq`` quantization method (overlay contract, format version 1)."""
+    """The ``embedq`` quantization method (overlay contract, format version 2; version 1 still read)."""
 
     def __init__(self, config: dict[str, Any], base: QuantizationConfig | None = None):
         self._pmm: dict[str, list[str]] = {}
