@@ -67,6 +67,8 @@ CASES = [
     (["--auto"], {"auto": True}),
     (["--max-kld", "0.02", "--method", "rtn", "--lm-head", "--scale-dtype", "float16"],
      {"max_kld": 0.02, "method": "rtn", "lm_head": True, "scale_dtype": "float16"}),
+    (["--bits", "4", "--max-kld", "0.05"], {"bits": 4, "max_kld": 0.05}),
+    (["--bits", "8", "--auto"], {"bits": 8, "auto": True}),
 ]
 
 
@@ -105,6 +107,8 @@ def test_head_scheme_falls_back_to_the_table():
     ({"format": "compressed-tensors", "output": "x", "symmetric": False}, "drop --asym"),
     ({"chunk_rows": 0}, "--chunk-rows 0"),
     ({"bits": 3}, "--bits 3"),
+    ({"bits": 3, "auto": True}, "--bits 3"),
+    ({"bits": 4, "max_kld": 0.1, "symmetric": False}, "--max-kld/--auto choose bits"),
 ])
 def test_bad_options_fail_when_the_recipe_is_built(captured, options, message):
     with pytest.raises(EmbedqError, match=message.replace("(", r"\(")):
@@ -134,3 +138,38 @@ def test_a_ready_recipe_reaches_the_writer_unchanged(captured):
     assert captured.pop() is r
     with pytest.raises(TypeError, match="not both"):
         embedq.quantize("model", 8, recipe=r)
+
+
+def test_bits_narrows_the_search_to_that_width(monkeypatch, tmp_path):
+    """``--bits B`` with ``--max-kld``/``--auto`` searches only B-bit candidates ("the smallest
+    4-bit scheme under X"); without it (the CLI passes None, not the default 8) every width."""
+    assert QuantizeRecipe.from_options(4, auto=True).search == SchemeSearch(bits=4)
+    assert QuantizeRecipe.from_options(auto=True).search.bits is None
+    assert QuantizeRecipe.from_options(max_kld=0.5).search.bits is None
+    seen: list = []
+
+    def select_scheme(path, max_kld, candidates=None, **kw):
+        seen.append(candidates)
+        return select.Selection(max_kld, None)
+
+    monkeypatch.setattr(select, "select_scheme", select_scheme)
+    monkeypatch.setattr("embedq.jobs.overlay.compile_min_bytes", lambda: 0)
+    for bits in (4, 8, None):
+        r = QuantizeRecipe.from_options(bits, max_kld=0.05, progress=False)
+        with pytest.raises(select.SelectError) as e:
+            select.quantize_auto(tmp_path, r)
+        cands = seen.pop()
+        assert cands and {c[0] for c in cands} == ({bits} if bits else {4, 8})
+        assert [c for c in select.CANDIDATES if c in cands] == cands  # same order
+        msg = str(e.value)
+        if bits:
+            assert msg == (f"no {bits}-bit candidate scheme has mean KLD <= 0.05 on the sample; "
+                           f"drop --bits {bits} to try every width")
+        else:
+            assert msg == "no candidate scheme has mean KLD <= 0.05 on the sample"
+    # the command line: --bits not given is not --bits 8
+    r = CliRunner().invoke(app, ["quantize", str(tmp_path), "--max-kld", "0.05", "-q"])
+    assert r.exit_code == 2 and seen.pop() == select.CANDIDATES, r.output
+    r = CliRunner().invoke(app, ["quantize", str(tmp_path), "--bits", "4", "--auto", "-q"])
+    assert r.exit_code == 2 and "no 4-bit candidate scheme has mean KLD <= 0.01" in r.output, r.output
+    assert {c[0] for c in seen.pop()} == {4}

@@ -30,7 +30,7 @@ staging.on_leftovers = announce_leftovers  # what a killed run left: one line on
 @app.command()
 def quantize(
     model: Path = typer.Argument(..., help="HF checkpoint folder"),
-    bits: Optional[int] = typer.Option(None, "--bits", help=f"4 or 8 (default {DEFAULT_BITS})"),
+    bits: Optional[int] = typer.Option(None, "--bits", help=f"4 or 8 (default {DEFAULT_BITS}); with --max-kld/--auto: search only schemes of these bits"),
     group_size: Optional[int] = typer.Option(None, "--group-size", help=f"Group size (default: {_DEFAULT_GROUPS}; 8-bit: per row where 64 does not divide the width; 0 = per row)"),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help=f"Asymmetric (zero points) or symmetric (default: {_DEFAULT_SYMMETRY})"),
     method: Optional[str] = typer.Option(None, "--method", help="rtn (default), mse, or gptq (head-aware, calibrated); see docs/methods.md"),

@@ -31,16 +31,20 @@ AUTO_MAX_KLD = 0.01
 @dataclass(frozen=True)
 class SchemeSearch:
     """``--max-kld`` / ``--auto``: the scheme is the smallest overlay whose KLD on a sample is
-    at most ``max_kld`` (:mod:`embedq.quality.select` chooses it)."""
+    at most ``max_kld`` (:mod:`embedq.quality.select` chooses it), among the candidates of
+    ``bits`` (``--bits``) when given, else among all of them."""
 
     max_kld: float = AUTO_MAX_KLD
     method: str | None = None  # None: gptq when a head reads the table, else mse
     scale_dtype: str | None = None
+    bits: int | None = None  # None: every bit width
 
     def __post_init__(self) -> None:
         k = self.max_kld
         if not isinstance(k, numbers.Real) or isinstance(k, bool) or not math.isfinite(k) or k <= 0:
             raise SchemeError(f"--max-kld {k!r}: must be a positive number (nats per token)")
+        if self.bits is not None:
+            Scheme(bits=self.bits)  # refuses what --bits refuses, with its words
 
 
 @dataclass(frozen=True)
@@ -130,14 +134,16 @@ class QuantizeRecipe:
         The scheme options (``bits``, ``group_size`` (0: per row), ``symmetric``, ``method``,
         ``scale_dtype``, ``head_*``) become :class:`Scheme` values, what is not given taken
         from :data:`embedq.format.scheme.DEFAULT_SCHEMES`; ``max_kld`` / ``auto`` a
-        :class:`SchemeSearch`; every other option is a field of the recipe.
+        :class:`SchemeSearch` (``bits``, when given, narrows it to that width's candidates);
+        every other option is a field of the recipe.
         """
         if auto or max_kld is not None:
             if group_size is not None or symmetric is not None or head_bits is not None \
                     or head_group_size is not None or head_symmetric is not None:
-                raise EmbedqError("--max-kld/--auto choose bits, group size and symmetry; "
+                raise EmbedqError("--max-kld/--auto choose bits (among --bits' schemes when given), "
+                                  "group size and symmetry; "
                                   "drop --group-size/--asym/--head-bits/--head-group-size")
-            search = SchemeSearch(AUTO_MAX_KLD if max_kld is None else max_kld, method, scale_dtype)
+            search = SchemeSearch(AUTO_MAX_KLD if max_kld is None else max_kld, method, scale_dtype, bits)
             return cls(scheme=None, search=search, **fields)
         scheme = Scheme.default(bits, symmetric, group_size, method, scale_dtype)
         head = None

@@ -157,7 +157,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
 
     sel = Selection(max_kld, None, sample=desc, tokens=sum(int(t.numel()) for t in targets_next))
     sel.calibration = cal
-    for bits, group, sym in (candidates or CANDIDATES):
+    for bits, group, sym in (CANDIDATES if candidates is None else candidates):
         label = Scheme(bits=bits, symmetric=sym, group_size=group, method=method).label()
         note = ""
         for pl in plans:
@@ -222,13 +222,17 @@ def quantize_auto(path: str | os.PathLike, recipe: QuantizeRecipe, *, log=None):
     compile_min_bytes()  # a bad EMBEDQ_COMPILE_MIN_BYTES fails before the search
     search = recipe.search
     x = search.max_kld
+    # --bits: only that width's candidates ("the smallest 4-bit scheme under X")
+    candidates = [c for c in CANDIDATES if search.bits in (None, c[0])]
     sel = select_scheme(path, x, method=search.method, lm_head=recipe.lm_head,
                         targets=list(recipe.targets) if recipe.targets else None, trust=recipe.trust,
-                        progress=recipe.progress, log=log)
+                        candidates=candidates, progress=recipe.progress, log=log)
     if sel.chosen is None:
         best = min((t for t in sel.trials if t.mean_kld is not None), key=lambda t: t.mean_kld, default=None)
         hint = f"; the best candidate, {best.scheme}, measured {best.mean_kld:.5f}" if best else ""
-        raise SelectError(f"no candidate scheme has mean KLD <= {x:g} on the sample{hint}")
+        what = "candidate scheme" if search.bits is None else f"{search.bits}-bit candidate scheme"
+        more = "" if search.bits is None else f"; drop --bits {search.bits} to try every width"
+        raise SelectError(f"no {what} has mean KLD <= {x:g} on the sample{hint}{more}")
     c = sel.chosen
     scheme = Scheme.default(c.bits, c.symmetric, 0 if c.group_size is None else c.group_size, c.method,
                             search.scale_dtype)
