@@ -46,7 +46,7 @@ ROWS = {
     "q4-g128": ("Q4 g128 sym", dict(bits=4, group_size=128), False),
     "int8-row-gather": ("int8 per-row, gather only (head bf16)", dict(bits=8, group_size=0), True),
     "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
-    "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8), False),
+    "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8, head_group_size=0), False),
 }
 # "-a8": the same overlay evaluated with activations="int8" (the head's input rounded to
 # int8 per block of 32: embedq.kernels.actquant); not advice rows (the table is the same)
