@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
     def gguf(
         base: Path = typer.Argument(..., help="llama.cpp GGUF file of the model the overlay was made from"),
         overlay: Path = typer.Option(..., "--overlay", help="Folder with the embedq overlay "
-                                     "(int8 or 4-bit, groups of 32, float16 scales, symmetric)"),
+                                     "(int8 or 4-bit, symmetric, float16 scales, per row or groups of a multiple of 32)"),
         output: Path = typer.Option(..., "--output", "-o", help="GGUF file to write"),
         force: bool = typer.Option(False, "--force", help="Replace OUTPUT"),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON"),
