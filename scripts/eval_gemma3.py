@@ -63,8 +63,9 @@ ADVICE_DATA = HERE.parent / "embedq" / "jobs" / "measured_gemma3_270m.json"
 
 def advice_key(qkw: dict, float_head: bool) -> tuple | None:
     """The advice table's key of a row, (bits, group size or None, symmetric, head); None
-    for rows the advice does not use (other scale dtypes)."""
-    if "scale_dtype" in qkw:
+    for rows the advice does not use (other scale dtypes; a head group size of its own: the
+    advice's "int8" head is what ``--head-bits 8`` writes, groups of 64)."""
+    if "scale_dtype" in qkw or "head_group_size" in qkw:
         return None
     from embedq.format.scheme import Scheme
     sc = Scheme.default(qkw["bits"], qkw.get("symmetric"), qkw.get("group_size"))
