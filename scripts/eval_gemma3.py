@@ -46,7 +46,9 @@ ROWS = {
     "q4-g128": ("Q4 g128 sym", dict(bits=4, group_size=128), False),
     "int8-row-gather": ("int8 per-row, gather only (head bf16)", dict(bits=8, group_size=0), True),
     "q4-g32-gather": ("Q4 g32 sym, gather only (head bf16)", dict(bits=4, group_size=32), True),
-    "q4-g32-head8": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8, head_group_size=0), False),
+    "q4-g32-head8": ("Q4 g32 sym gather + int8 g64 head (--head-bits 8)", dict(bits=4, group_size=32, head_bits=8), False),
+    "q4-g32-head8-row": ("Q4 g32 sym gather + int8 per-row head", dict(bits=4, group_size=32, head_bits=8,
+                                                                   head_group_size=0), False),
 }
 # "-a8": the same overlay evaluated with activations="int8" (the head's input rounded to
 # int8 per block of 32: embedq.kernels.actquant); not advice rows (the table is the same)
@@ -55,7 +57,7 @@ for _n in ("q4-g32", "q4-g32-asym", "q4-g64", "q4-g128"):
 DEFAULT_ROWS = ["int8-row", "int8-g128", "int8-g32", "q4-g32", "q4-g32-asym", "int8-row-gather",
                 "q4-g32-gather", "q4-g32-head8"]
 ALL_ROWS = ["int8-row", "int8-g128", "int8-g64", "int8-g32", "int8-g32-f32", "q4-g128", "q4-g64", "q4-g32", "q4-g32-asym",
-            "int8-row-gather", "q4-g32-gather", "q4-g32-head8"]
+            "int8-row-gather", "q4-g32-gather", "q4-g32-head8", "q4-g32-head8-row"]
 
 
 ADVICE_DATA = HERE.parent / "embedq" / "jobs" / "measured_gemma3_270m.json"

@@ -107,5 +107,6 @@ def test_eval_script_writes_the_data_advice_reads(tmp_path):
     assert rows[(4, 32, True, "float")]["mean_kld"] == 0.04123
     assert "test machine" in rows[(4, 32, True, "float")]["measured_by"]
     assert ev.advice_key(*ev.ROWS["int8-row"][1:]) == (8, None, True, "shared")  # per row, not the default g64
-    assert ev.advice_key(*ev.ROWS["q4-g32-head8"][1:]) == (4, 32, True, "int8")
+    assert ev.advice_key(*ev.ROWS["q4-g32-head8"][1:]) == (4, 32, True, "int8")  # --head-bits 8: g64
+    assert ev.advice_key(*ev.ROWS["q4-g32-head8-row"][1:]) is None  # a per-row head: not the advice's
     assert set(MEASURED_GEMMA3_270M) <= {ev.advice_key(q, f) for _, q, f in ev.ROWS.values()}
