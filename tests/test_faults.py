@@ -270,6 +270,9 @@ def test_readers_refuse_a_folder_between_two_overlays(bundle, tmp_path):
     with pytest.raises(OverlayError, match="between two overlays"):
         api.load(model)
     assert tree(model) == before  # read only
+    lock = model / ".embedq" / "lock"  # a live run holding the lock is not "interrupted"
+    lock.write_text(f"pid {os.getpid()}, embedq quantize\n")
+    one_error_line(embedq("verify", model), "another embedq run is committing", f"pid {os.getpid()}")
     r = embedq("remove", model)  # locked: the old overlay back first, then removed
     assert r.returncode == 0 and "is back" in r.stderr, r.stderr
 

@@ -16,6 +16,7 @@ SINGLE_NAME = "model.safetensors"
 OVERLAY_NAME = "embedq.safetensors"
 QCONFIG_NAME = "quantization_config.json"
 STATE_DIR = ".embedq"            # backups and the lock of an in-place overlay
+LOCK_FILE = "lock"               # in STATE_DIR: the folder lock (jobs/state.folder_lock)
 
 # Last name component of an output-embedding (head) module across architectures.
 HEAD_NAMES = ("lm_head", "embed_out", "output")

@@ -17,8 +17,8 @@ import stat
 from pathlib import Path
 
 from embedq.errors import OverlayError
-from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME, QUANT_METHOD,
-                                     STATE_DIR)
+from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, LOCK_FILE, OVERLAY_NAME, QCONFIG_NAME,
+                                     QUANT_METHOD, STATE_DIR)
 
 PREVIOUS = "previous"
 JOURNAL = "journal.json"
@@ -90,12 +90,14 @@ def ours(p: Path) -> bool:
 
 
 def _new_is_complete(path: Path, live: dict[str, list[int]]) -> bool:
-    """Whether the commit got past its switch: config.json is not the one committed when the
-    overlay was kept and names an embedq overlay (between the switch-off and the switch it is
-    the original, naming none)."""
+    """Whether the commit got past its switch: embedq.safetensors is not the one committed
+    when the overlay was kept and config.json names an embedq overlay (between the switch-off
+    and the switch it is the original, naming none). Not config.json's identity: kept by a
+    copy, the original is freed at the switch-off and the new config.json may get its inode
+    number back (ext4 does), size and all; the new tables' file was made while the old one
+    still existed, so its number is never the old one's."""
     try:
-        if ident(os.lstat(path / CONFIG_NAME)) == live.get(CONFIG_NAME) \
-                or ident(os.lstat(path / OVERLAY_NAME)) == live[OVERLAY_NAME]:
+        if ident(os.lstat(path / OVERLAY_NAME)) == live[OVERLAY_NAME]:
             return False
     except OSError:
         return False
@@ -126,10 +128,32 @@ def pending(path: Path) -> bool:
     return (d.is_symlink() or d.exists()) and decide(Path(path))[0] == "restore"
 
 
+def _committing(path: Path) -> str | None:
+    """The live embedq run holding the folder's lock, as its lock file names it ("pid N,
+    embedq VERB"; emptied on release, a killed holder's pid is dead); read only: taking the
+    lock, even shared for a moment, could refuse that run's own start."""
+    try:
+        with open(Path(path) / STATE_DIR / LOCK_FILE, "rb", opener=_nofollow) as f:
+            holder = f.read(200).decode("utf-8", "replace").strip()
+        pid = int(holder.split(",")[0].split()[1])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return holder
+
+
+def _nofollow(p, flags):
+    return os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
 def check_settled(path: Path) -> None:
     """Refuse a folder a killed re-commit left between two overlays: its tables and its
     config.json belong to different ones until the next locked embedq run settles it."""
     if pending(path):
+        holder = _committing(path)
+        if holder is not None:
+            raise OverlayError(f"{path}: another embedq run is committing a new overlay here ({holder}); "
+                               "wait for it to finish")
         raise OverlayError(
             f"{path}: an interrupted `quantize --force` / `apply --force` left this folder between two "
             f"overlays (the earlier one waits in {STATE_DIR}/{PREVIOUS}/); rerun that command, or any "

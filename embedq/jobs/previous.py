@@ -6,7 +6,9 @@ loader reads the original model. Before that switch the old overlay's files are 
 into ``.embedq/previous/`` (no data is copied, so a full disk does not stop it), with a
 journal written last (its reading: ``format/kept.py``). Where the filesystem has no hard
 links (exFAT, some FUSE and network mounts) they are copied instead; a copy that does not
-fit refuses the commit before anything is switched (the old overlay stays). A failure
+fit refuses the commit before anything is switched (the old overlay stays). With ``.embedq/``
+on another mount (EXDEV) nothing is kept: no rename could put a copy back, and a failed
+commit leaves the original model. A failure
 during the commit (a full disk, Ctrl-C, a read-only file) puts them back by renames, which
 need no space; a kill leaves the folder, and the next embedq run that takes the folder's
 lock (:func:`recover`) puts the old overlay back first, unless the kill came after
@@ -38,7 +40,7 @@ from embedq.format.checkpoint import CONFIG_NAME, OVERLAY_NAME, QCONFIG_NAME, ST
 from embedq.format.constants import QUANT_METHOD
 from embedq.format.files import write_json_atomic
 
-_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -57,10 +59,10 @@ def _committed(path: Path) -> bool:
 
 def _copy(src: Path, dst: Path) -> None:
     """``src`` as a new file ``dst`` (a symlink as the same link), fsynced: where hard links fail."""
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-        return
     try:
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+            return
         shutil.copyfile(src, dst, follow_symlinks=False)
         staging.fsync_file(dst)
     except OSError as e:
@@ -101,6 +103,9 @@ def keep(path: Path) -> Path | None:
                 try:
                     os.link(src, d / name, follow_symlinks=False)  # a link is kept as the link
                 except OSError as e:
+                    if e.errno == errno.EXDEV:  # .embedq/ on another mount: no rename could put a
+                        discard(path)          # copy back; nothing is kept (a failure leaves the original)
+                        return None
                     if e.errno not in _NO_LINKS:
                         raise
                     linked = False

@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 
 from embedq.errors import OverlayError
-from embedq.format.constants import QUANT_METHOD
+from embedq.format.constants import LOCK_FILE, QUANT_METHOD
 from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
 from embedq.format import staging
@@ -41,7 +41,6 @@ from embedq.format.files import inside, stays_inside, write_bytes_atomic, write_
 from embedq.jobs import previous, testpoint
 
 STATE_FILE = "state.json"
-LOCK_FILE = "lock"
 BACKED_UP = (CONFIG_NAME, INDEX_NAME)  # the only files embedq ever backs up and restores
 MAX_BACKUP_BYTES = 256 << 20
 
