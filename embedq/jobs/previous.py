@@ -46,9 +46,12 @@ _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 def _committed(path: Path) -> bool:
     """Whether a complete embedq overlay is visible here (config.json names it)."""
+    def read(p: Path):  # regular files only (a FIFO would block), links followed (HF snapshots)
+        if not p.is_file() or p.stat().st_size > kept.MAX_JSON_BYTES:
+            raise ValueError(p)
+        return json.loads(p.read_bytes())
     try:
-        cfg = json.loads((path / CONFIG_NAME).read_bytes())
-        qc = json.loads((path / QCONFIG_NAME).read_bytes())
+        cfg, qc = read(path / CONFIG_NAME), read(path / QCONFIG_NAME)
     except (OSError, ValueError, RecursionError):
         return False
     named = cfg.get("quantization_config") if isinstance(cfg, dict) else None
