@@ -173,3 +173,22 @@ def test_bits_narrows_the_search_to_that_width(monkeypatch, tmp_path):
     r = CliRunner().invoke(app, ["quantize", str(tmp_path), "--bits", "4", "--auto", "-q"])
     assert r.exit_code == 2 and "no 4-bit candidate scheme has mean KLD <= 0.01" in r.output, r.output
     assert {c[0] for c in seen.pop()} == {4}
+
+
+def test_bits_whose_schemes_fit_no_table_says_so(monkeypatch, tmp_path):
+    """``--bits 4`` on a table whose width no 4-bit group divides: nothing was measured, so
+    the error says the schemes do not fit (not that they failed the KLD bound)."""
+    def select_scheme(path, max_kld, candidates=None, **kw):
+        sel = select.Selection(max_kld, None)
+        for bits, group, sym in candidates:
+            note = f"does not fit: model.embed_tokens.weight: 48 columns are not divisible by group size {group}"
+            sel.trials.append(select.Trial(f"q{bits}-g{group}", bits, group, sym, "mse", group, note=note))
+        return sel
+
+    monkeypatch.setattr(select, "select_scheme", select_scheme)
+    monkeypatch.setattr("embedq.jobs.overlay.compile_min_bytes", lambda: 0)
+    r = QuantizeRecipe.from_options(4, max_kld=0.05, progress=False)
+    with pytest.raises(select.SelectError) as e:
+        select.quantize_auto(tmp_path, r)
+    assert str(e.value) == ("no 4-bit candidate scheme fits the table (model.embed_tokens.weight: 48 columns "
+                            "are not divisible by group size 32); drop --bits 4 to try every width")

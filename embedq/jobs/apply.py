@@ -121,7 +121,11 @@ def _check_tie(ckpt: Checkpoint, qconfig: OverlayConfig, t: Targets, tied_cfg: b
     cannot decide without ``--trust-config``/``--trust-tensors`` takes the choice the bundle
     records (made with one of them)."""
     from embedq.jobs.targets import resolve_ties
-    identical = ckpt.tensors_identical(t.embedding, t.head) if t.head else None
+    identical = None  # resolve_ties reads it only for a head tensor under tie_word_embeddings=true
+    if t.head and tied_cfg:
+        if qconfig.tied:  # identical: tied; different: undecided, the bundle's choice. Either
+            return        # way a tied bundle fits: no full read of two equal tables
+        identical = ckpt.tensors_identical(t.embedding, t.head)
     try:
         base_tied = resolve_ties(t, tied_cfg, identical, None, str(ckpt.path / CONFIG_NAME))
     except TieError:

@@ -232,6 +232,9 @@ def quantize_auto(path: str | os.PathLike, recipe: QuantizeRecipe, *, log=None):
         hint = f"; the best candidate, {best.scheme}, measured {best.mean_kld:.5f}" if best else ""
         what = "candidate scheme" if search.bits is None else f"{search.bits}-bit candidate scheme"
         more = "" if search.bits is None else f"; drop --bits {search.bits} to try every width"
+        if sel.trials and all(t.note for t in sel.trials):  # nothing measured: none fits the shape
+            why = sel.trials[-1].note.removeprefix("does not fit: ")  # the smallest groups' reason
+            raise SelectError(f"no {what} fits the table ({why}){more}")
         raise SelectError(f"no {what} has mean KLD <= {x:g} on the sample{hint}{more}")
     c = sel.chosen
     scheme = Scheme.default(c.bits, c.symmetric, 0 if c.group_size is None else c.group_size, c.method,

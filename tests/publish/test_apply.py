@@ -199,3 +199,32 @@ def test_apply_ambiguous_base_takes_the_bundles_choice(model_factory, derive):
     assert report.tied
     embedq.apply(src, bundle)
     embedq.verify(src)
+
+
+def test_apply_tie_check_reads_no_table_it_does_not_need(model_factory, derive, monkeypatch):
+    """A tied base that also stores its head (a copy of the embedding): a tied bundle fits
+    it whether or not the copy is identical (identical: tied; different: the bundle's choice),
+    so apply never compares the two tables (a full read of both when they are equal). An
+    untied bundle still needs the comparison, and is refused when the copy is identical."""
+    from safetensors.torch import load_file
+    src = model_factory("qwen2_tied")
+    emb = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    _retie(src, tied=True, head=emb.clone())
+    _, bundle, report = derive("qwen2_tied", source=src, overlay_only=True)
+    assert report.tied
+    calls: list = []
+    real = Checkpoint.tensors_identical
+    monkeypatch.setattr(Checkpoint, "tensors_identical",
+                        lambda self, a, b: calls.append((a, b)) or real(self, a, b))
+    embedq.apply(src, bundle)
+    embedq.verify(src)
+    assert calls == []
+    # the reverse still compares, and refuses
+    _, untied, _ = derive("llama_untied_fp32", name="untied", overlay_only=True)
+    base = model_factory("llama_untied_fp32")
+    emb = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    _retie(base, tied=True, head=emb.clone())
+    calls.clear()  # (quantize compares them too)
+    with pytest.raises(OverlayError, match="ties its head to the embedding"):
+        embedq.apply(base, untied)
+    assert calls == [("model.embed_tokens.weight", "lm_head.weight")]
