@@ -251,7 +251,7 @@ def stored_state(ctx: dict) -> dict:
     keep = ("mode", "base_model", "base_revision", "base_model_source", "library_name",
             "source_meta", "modules", "tied", "base_quantization", "eval", "repo_id", "title",
             "source_name", "folder_hint", "checkpoint_bytes_before", "checkpoint_bytes_after",
-            "embedq_version", "format_version")
+            "embedq_version", "format_version", "config_json")
     d = {k: ctx[k] for k in keep if ctx.get(k) is not None}
     d["card_version"] = CARD_VERSION
     return d
@@ -319,6 +319,8 @@ def card_context(report, qconfig: dict | None = None, ckpt=None, *, base_model: 
                            "tied": bool(report.tied), "embedq_version": __version__}
     ctx["modules"] = _modules(report, qconfig)
     ctx["format_version"] = format_version_of(qconfig)
+    if report.mode == "derived (compressed-tensors)":  # config.json: the stock config, not embedq's
+        ctx["config_json"] = "compressed-tensors"
     bm = check_base_model(base_model or extra.get("base_model"))
     rev = check_revision(base_revision or extra.get("base_revision"))
     src_path = Path(ckpt.path) if ckpt is not None else Path(report.path)

@@ -148,13 +148,15 @@ def _usage(ctx: dict) -> str:
             "",
         ]
         here = "./base"
+    stock = ctx.get("config_json") == "compressed-tensors"
     lines += [
         "### vLLM",
         "",
-        "The `embedq` package registers a vLLM plugin; no flag is needed:",
+        ("`config.json` holds a stock compressed-tensors config: vLLM serves it as it is, without "
+         "embedq:" if stock else "The `embedq` package registers a vLLM plugin; no flag is needed:"),
         "",
         "```bash",
-        "pip install embedq vllm",
+        "pip install vllm" if stock else "pip install embedq vllm",
         f"vllm serve {here}",
         "```",
         "",
@@ -231,9 +233,13 @@ def render(ctx: dict) -> str:
     fv = ctx.get("format_version")  # the overlay's own (unknown in a card stored before it was kept)
     b += ["Format: `embedq.safetensors` holds `weight_packed` (int32, compressed-tensors "
           "pack-quantized layout), `weight_scale`, `weight_shape` (and `weight_zero_point` when "
-          "asymmetric) per module; `quantization_config.json` (also in `config.json` for full "
-          "checkpoints) describes them (`quant_method: embedq`"
-          + (f", format version {fv}" if fv is not None else "") + ").", ""]
+          "asymmetric) per module; `quantization_config.json` "
+          + ("describes them (`quant_method: embedq`" if ctx.get("config_json") == "compressed-tensors"
+             else "(also in `config.json` for full checkpoints) describes them (`quant_method: embedq`")
+          + (f", format version {fv}" if fv is not None else "") + ")"
+          + ("; `config.json` holds the equivalent stock compressed-tensors config "
+             "(`quant_method: compressed-tensors`)" if ctx.get("config_json") == "compressed-tensors" else "")
+          + ".", ""]
     b += ["## Source", ""]
     if base:
         rev = ctx.get("base_revision")

@@ -320,3 +320,18 @@ def test_card_names_the_overlays_format_version(derive):
     (out / "quantization_config.json").unlink()  # nothing to take it from: no version claimed
     again = refresh_card(out, write=False)
     assert "(`quant_method: embedq`)." in again and "format version" not in again
+
+
+def test_compressed_tensors_output_card_names_its_config(derive):
+    """``--format compressed-tensors``: config.json holds the stock compressed-tensors config,
+    so the card says so and shows vLLM without embedq's plugin (it said the embedq config was
+    also in config.json and told users to install embedq for vLLM); kept across a refresh."""
+    _, out, _ = derive("llama_untied_fp32", lm_head=True, format="compressed-tensors",
+                       base_model="meta-llama/Llama-3.2-1B")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    for text in ((out / "README.md").read_text(), refresh_card(out, write=False)):
+        assert "also in `config.json`" not in text
+        assert "`config.json` holds the equivalent stock compressed-tensors config" in text
+        assert "pip install vllm\n" in text and "pip install embedq vllm" not in text
+    _, plain, _ = derive("llama_untied_fp32", name="plain", lm_head=True, base_model="meta-llama/Llama-3.2-1B")
+    assert "also in `config.json`" in (plain / "README.md").read_text()
