@@ -177,7 +177,7 @@ def test_requantize_in_place_killed_at_every_commit(bundle, tmp_path, fs):
     assert tree(src) == pristine and not leftovers(tmp_path)
 
 
-def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path, fs):
+def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path):
     """A second kill while the next run puts the old overlay back: at every point the files
     that pair (quantization_config.json with the tables; config.json's switch) belong to one
     overlay, and a third run finishes the recovery."""
@@ -192,7 +192,6 @@ def test_requantize_recovery_killed_at_every_rename(bundle, tmp_path, fs):
     for k in range(1, 12):
         reset()
         assert embedq(*args, kill_at="committed:3").returncode == -9  # the new tables are in
-        assert _kept_as(model) == fs
         r = embedq(*args[:-1], kill_at=f"committed:{k}")
         if r.returncode != -9:
             assert r.returncode == 2 and "is back" in r.stderr, r.stderr
