@@ -204,6 +204,9 @@ class Example:
             errors = [ln for ln in lines if ln.startswith(PREFIX)]
             assert lines and lines[-1].startswith(PREFIX), f"last stderr line is no error line: {shown}"
             assert len(errors) == 1, f"{len(errors)} error lines: {shown}"
+            # bad input is an anticipated error (EmbedqError: exit 2, PublishError: 3), never
+            # the catch-all "(unexpected: ...)" line of exit 1, which any exception would pass
+            assert r.exit_code in (2, 3) and "(unexpected:" not in errors[0], f"not an anticipated error: {shown}"
         for k, want in self.pristine.items():
             p = self.w[k]
             got = snapshot(p) if p.is_dir() else p.read_bytes()
