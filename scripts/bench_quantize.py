@@ -302,6 +302,9 @@ def main() -> None:
     ap.add_argument("--startup-only", action="store_true", help="only the start-up section")
     ap.add_argument("--startup-repeat", type=int, default=3)
     args = ap.parse_args()
+    bad = [x.strip() for x in args.schemes.split(",") if x.strip() and x.strip() not in SCHEMES]
+    if bad:  # before minutes of synthesis, not a KeyError after them
+        ap.error(f"--schemes: unknown {', '.join(map(repr, bad))}; choose from {', '.join(map(repr, SCHEMES))}")
 
     spec = SMALL if args.small else SHAPES[args.shape]
     root = cache_root() / "bench"
