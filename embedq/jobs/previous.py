@@ -136,7 +136,8 @@ def restore(path: Path) -> str:
         discard(path)
         return what
     new_qc = path / QCONFIG_NAME
-    if os.path.lexists(d / QCONFIG_NAME) and kept.ours(new_qc):
+    if os.path.lexists(d / QCONFIG_NAME) and kept.ident(os.lstat(d / QCONFIG_NAME)) == files[QCONFIG_NAME] \
+            and kept.ours(new_qc):  # only while the recorded old one waits to replace it
         new_qc.unlink()  # the new settings never sit beside the old tables
         staging.fsync_dir(path)
         staging.kill_point("committed")

@@ -124,3 +124,24 @@ def test_journal_file_not_recorded_is_not_put_back(model_factory, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "forged" not in (m / "config.json").read_text()
     assert tree(m) == tree(model_factory(KIND))
+
+
+def test_a_file_slipped_into_previous_never_costs_the_put_back_config(model_factory, tmp_path):
+    """Recovery half done (the old quantization_config.json already put back), then a file
+    placed at previous/quantization_config.json that the journal did not record: the put-back
+    config stays (it was unlinked as "the new one" before, and nothing replaced it)."""
+    import shutil
+    from faultutil import embedq
+    m = tmp_path / "m"
+    shutil.copytree(model_factory("qwen2_tied"), m)
+    assert embedq("quantize", m, "-q", "--bits", "8").returncode == 0
+    old_qc = (m / "quantization_config.json").read_bytes()
+    assert embedq("quantize", m, "-q", "--bits", "4", "--force", kill_at="committed:3").returncode == -9
+    # the next run killed after putting back the old config (the new one unlinked first)
+    r = embedq("remove", m, kill_at="committed:2")
+    assert r.returncode == -9, r.stderr
+    assert (m / "quantization_config.json").read_bytes() == old_qc
+    (m / ".embedq" / "previous" / "quantization_config.json").write_bytes(old_qc)  # unrecorded
+    r = embedq("quantize", m, "-q", "--bits", "8")  # recovers, then refuses: an overlay is there
+    assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, r.stderr
+    assert (m / "quantization_config.json").read_bytes() == old_qc
