@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import hashlib
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ from typer.testing import CliRunner
 import embedq
 from embedq.cli import app
 from embedq.cli.common import UNEXPECTED
-from embedq.format.digest import digest_for, hexdigest
+from security.secutil import read_qconfig as qconfig, tamper_overlay as rewrite_overlay, tree, write_qconfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,52 +56,6 @@ def error_line(out: str) -> str:
     assert len(errs) == 1, out
     assert "Traceback" not in out, out
     return errs[0]
-
-
-def tree(path: Path) -> dict[str, str]:
-    """sha256 of every file under ``path`` (hidden ones too); links as ``-> target``."""
-    out = {}
-    for p in sorted(Path(path).rglob("*")):
-        rel = str(p.relative_to(path))
-        if p.is_symlink():
-            out[rel] = "-> " + os.readlink(p)
-        elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def qconfig(folder: Path) -> dict:
-    return json.loads((folder / "quantization_config.json").read_text())
-
-
-def write_qconfig(folder: Path, cfg: dict) -> None:
-    """The file, and config.json's copy where there is one (what loaders read)."""
-    (folder / "quantization_config.json").write_text(json.dumps(cfg))
-    cj = folder / "config.json"
-    if cj.exists():
-        c = json.loads(cj.read_text())
-        if isinstance(c.get("quantization_config"), dict):
-            c["quantization_config"] = cfg
-            cj.write_text(json.dumps(c))
-
-
-def rewrite_overlay(folder: Path, fn) -> None:
-    """``embedq.safetensors`` with ``fn(tensors)`` applied, the recorded checksums updated
-    to match (a careful forger)."""
-    file = folder / "embedq.safetensors"
-    with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata()
-    tensors = load_file(str(file))
-    fn(tensors)
-    file.unlink()
-    save_file(tensors, str(file), metadata=meta)
-    cfg = qconfig(folder)
-    for entry in cfg["modules"].values():
-        for k in entry.get("checksums") or {}:
-            if k in tensors:
-                entry["checksums"][k] = hexdigest(tensors[k].contiguous().view(torch.uint8).numpy(),
-                                                  digest_for(cfg["format_version"]))
-    write_qconfig(folder, cfg)
 
 
 # --- usage.md, Streaming: "Only shards holding targets are opened." ---------------------------
