@@ -5,12 +5,17 @@
 A kill is placed with ``EMBEDQ_TEST_KILL_AT=<point>:<n>`` (embedq/format/staging.py): the
 ``n``-th time the process reaches ``point`` it sends itself SIGKILL (or SIGINT), so every
 machine interrupts at the same step. :func:`sweep` kills at every commit of a verb in turn.
+Each run is a fork of a server that imported embedq once (tests/zygote.py): a real process,
+without the 2-5 s of interpreter start and imports per run (tests/test_zygote.py checks it
+ends as a fresh ``python -m embedq.cli`` does; ``EMBEDQ_TEST_FORK=0`` runs those instead).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
+import json
 import os
 import resource
 import signal
@@ -25,12 +30,18 @@ from embedq.format.staging import leftover
 
 def embedq(*args, kill_at: str | None = None, sig: str = "KILL", fsize: int | None = None,
            env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m embedq.cli ARGS`` (what the console script runs), under the given fault."""
+    """``python -m embedq.cli ARGS`` (what the console script runs), under the given fault:
+    a fork of a server that imported embedq once (tests/zygote.py; ``EMBEDQ_TEST_FORK=0``:
+    a fresh interpreter each run, as before)."""
     e = {**os.environ, **(env or {})}
     e.pop("EMBEDQ_TEST_KILL_AT", None)
     e.pop("EMBEDQ_DEBUG", None)
+    base = dict(e)
     if kill_at:
         e.update(EMBEDQ_TEST_KILL_AT=kill_at, EMBEDQ_TEST_KILL_SIGNAL=sig)
+    args = list(map(str, args))
+    if os.environ.get("EMBEDQ_TEST_FORK", "1") != "0":
+        return _forked(args, e, base, fsize, timeout)
 
     def pre():
         # a shell's background job starts with SIGINT ignored: give the child a foreground
@@ -38,8 +49,58 @@ def embedq(*args, kill_at: str | None = None, sig: str = "KILL", fsize: int | No
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    return subprocess.run([sys.executable, "-m", "embedq.cli", *map(str, args)], env=e,
+    return subprocess.run([sys.executable, "-m", "embedq.cli", *args], env=e,
                           capture_output=True, text=True, timeout=timeout, preexec_fn=pre)
+
+
+_SERVERS: dict[frozenset, subprocess.Popen] = {}
+_ZYGOTE = Path(__file__).with_name("zygote.py")
+_PER_RUN = ("PYTEST_CURRENT_TEST",)
+
+
+def _server(base: dict[str, str]) -> subprocess.Popen:
+    """The fork server for this import-time environment (started on first use; the least
+    recently used one stops when a third is needed: each holds torch's imports in memory)."""
+    # what a run cannot have read at import time is not the server's business
+    key = frozenset((k, v) for k, v in base.items() if k not in _PER_RUN)
+    p = _SERVERS.pop(key, None)
+    if p is None or p.poll() is not None:
+        while len(_SERVERS) >= 2:
+            _stop(_SERVERS.pop(next(iter(_SERVERS))))
+        # -c, not the script's path: sys.path[0] is then the working folder, as with -m
+        # (tests/ first on the path would shadow packages by its folders' names)
+        p = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({str(_ZYGOTE)!r}, "
+                              "run_name='__main__')"], env=base, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, bufsize=1)
+    _SERVERS[key] = p  # last: the most recently used
+    return p
+
+
+def _stop(p: subprocess.Popen) -> None:
+    with contextlib.suppress(Exception):
+        p.stdin.close()
+        p.wait(timeout=10)
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for p in _SERVERS.values():
+        _stop(p)
+
+
+def _forked(args: list[str], env: dict, base: dict, fsize: int | None,
+            timeout: int) -> subprocess.CompletedProcess:
+    p = _server(base)
+    p.stdin.write(json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "fsize": fsize,
+                              "timeout": timeout}) + "\n")
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the fork server (tests/zygote.py) died (exit {p.wait()})")
+    answer = json.loads(line)
+    code, stdout, stderr = os.waitstatus_to_exitcode(answer["status"]), answer["out"], answer["err"]
+    if answer["timed_out"]:
+        raise subprocess.TimeoutExpired(["embedq", *args], timeout, stdout, stderr)
+    return subprocess.CompletedProcess(["embedq", *args], code, stdout, stderr)
 
 
 def tree(path: Path) -> dict[str, str]:
