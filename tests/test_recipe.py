@@ -192,3 +192,53 @@ def test_bits_whose_schemes_fit_no_table_says_so(monkeypatch, tmp_path):
         select.quantize_auto(tmp_path, r)
     assert str(e.value) == ("no 4-bit candidate scheme fits the table (model.embed_tokens.weight: 48 columns "
                             "are not divisible by group size 32); drop --bits 4 to try every width")
+
+
+class _AutoReport:
+    """What quantize_checkpoint returns, with its own ``extra`` (quantize_auto fills it)."""
+
+    def __init__(self):
+        self.extra: dict = {}
+
+    def to_json(self) -> str:
+        import json
+        return json.dumps({"extra": self.extra})
+
+    def table(self) -> str:
+        return "report"
+
+
+@pytest.mark.parametrize("bits", [4, 8, None], ids=["bits4", "bits8", "every-width"])
+def test_a_narrowed_search_says_so(monkeypatch, tmp_path, bits):
+    """``--bits B`` with ``--auto``/``--max-kld``: the selection table's header names the
+    B-bit-only search and ``report.extra["auto"]["bits"]`` (``--json``) is B; without
+    ``--bits`` the header claims no narrowing and the key is null."""
+    import json
+
+    def select_scheme(path, max_kld, candidates=None, **kw):
+        sel = select.Selection(max_kld, None, sample="the sample", tokens=8)
+        b, g, s = candidates[0]
+        sel.trials.append(select.Trial(f"int{b}", b, g, s, "mse", 100, mean_kld=0.0, same_top1=100.0))
+        sel.chosen = sel.trials[0]
+        return sel
+
+    monkeypatch.setattr(select, "select_scheme", select_scheme)
+    monkeypatch.setattr("embedq.jobs.overlay.compile_min_bytes", lambda: 0)
+    monkeypatch.setattr(jobs_quantize, "quantize_checkpoint", lambda path, recipe: _AutoReport())
+    flags = ["--bits", str(bits)] if bits else []
+    r = CliRunner().invoke(app, ["quantize", str(tmp_path), *flags, "--auto", "-q"])
+    assert r.exit_code == 0, r.output
+    header = r.output.splitlines()[0]
+    assert header.startswith("auto: smallest overlay") and "KLD <= 0.01" in header, header
+    if bits:
+        assert f"among {bits}-bit schemes only (--bits {bits})" in header, header
+    else:
+        assert "schemes only" not in header and "--bits" not in header, header
+    r = CliRunner().invoke(app, ["quantize", str(tmp_path), *flags, "--max-kld", "0.05", "--json"])
+    assert r.exit_code == 0, r.output
+    auto = json.loads(r.output)["extra"]["auto"]
+    assert "bits" in auto and auto["bits"] == bits
+    assert auto["max_kld"] == 0.05 and auto["chosen"]["bits"] == (bits or 4)
+    # the Python API: the same key in report.extra["auto"]
+    report = embedq.quantize(tmp_path, bits, auto=True, progress=False)
+    assert report.extra["auto"]["bits"] == bits

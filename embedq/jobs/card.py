@@ -25,6 +25,7 @@ from typing import Any
 from embedq.errors import EmbedqError
 from embedq.format.checkpoint import QCONFIG_NAME, read_json
 from embedq.format.files import stays_inside, write_bytes_atomic
+from embedq.format.reader import parse_overlay_config
 from embedq.jobs.card_data import (CARD_NAME, EVAL_NAME, CardError, card_context, check_base_model,
                                    check_card_inputs, check_revision, format_version_of, front_matter,
                                    infer_base, load_eval, read_stored, validate_metadata)
@@ -84,6 +85,27 @@ def render_report_card(report, *, base_model: str | None = None, base_revision: 
     return render(ctx)
 
 
+def _overlay_config(folder: Path) -> dict | None:
+    """The folder's validated ``quantization_config.json`` (None when it has none).
+
+    The card describes that overlay, so one that is there but unreadable is refused with
+    the line other verbs give (``parse_overlay_config``), as ``push`` refuses it, rather
+    than a card rendered around a broken folder.
+    """
+    q = folder / QCONFIG_NAME
+    if not (q.exists() or q.is_symlink()):
+        return None  # the card's stored state is all a refresh needs
+    fix = (f"; {CARD_NAME} left as it was: restore {QCONFIG_NAME} (or re-create the folder with "
+           "`embedq quantize --output`), then run `embedq card` again")
+    try:
+        return parse_overlay_config(folder).to_dict()
+    except EmbedqError as e:
+        # a line naming another file (config.json, a half-replaced overlay) carries its own fix
+        raise CardError(f"{e}{fix}" if str(e).startswith(str(q)) else str(e)) from None
+    except OSError as e:  # read_json names bad content; a file it cannot open arrives here
+        raise CardError(f"{q}: cannot read it ({e.strerror or type(e).__name__}){fix}") from None
+
+
 def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_model: str | None = None,
                  base_revision: str | None = None, repo_id: str | None = None,
                  license: str | None = None, write: bool = True) -> str:
@@ -91,7 +113,8 @@ def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_mo
 
     Eval results: ``eval_results`` if given, else ``embedq-eval.json`` in the folder,
     else whatever the card already showed. Returns the new text (written unless
-    ``write=False``). Refuses a README.md embedq did not write.
+    ``write=False``). Refuses a README.md embedq did not write, and a folder whose
+    ``quantization_config.json`` is unreadable (the card is then left as it was).
     """
     folder = Path(folder)
     path = folder / CARD_NAME
@@ -113,11 +136,9 @@ def refresh_card(folder: str | os.PathLike, *, eval_results: Any = None, base_mo
     if ctx is None:
         raise CardError(f"{path}: not a card written by embedq; refusing to overwrite it")
     ctx.pop("card_version", None)
-    if "format_version" not in ctx and (folder / QCONFIG_NAME).is_file():  # stored before it was kept
-        try:
-            ctx["format_version"] = format_version_of(read_json(folder / QCONFIG_NAME))
-        except EmbedqError:
-            pass
+    qconfig = _overlay_config(folder)
+    if "format_version" not in ctx and qconfig is not None:  # stored before it was kept
+        ctx["format_version"] = format_version_of(qconfig)
     if base_model:
         ctx["base_model"], ctx["base_model_source"] = check_base_model(base_model), "user"
         if not base_revision:

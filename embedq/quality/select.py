@@ -63,12 +63,15 @@ class Selection:
     sample: str = ""
     tokens: int = 0
     seconds: float = 0.0
+    bits: int | None = None  # --bits: only that width's candidates were searched (None: all)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
-        lines = [f"auto: smallest overlay with mean KLD <= {self.max_kld:g} on {self.tokens} tokens of "
+        # a narrowed search says so: "the smallest overlay" is among B-bit schemes only
+        among = "" if self.bits is None else f" among {self.bits}-bit schemes only (--bits {self.bits})"
+        lines = [f"auto: smallest overlay{among} with mean KLD <= {self.max_kld:g} on {self.tokens} tokens of "
                  f"{self.sample} ({self.seconds:.0f} s)"]
         for t in self.trials:
             kld = (f"KLD {t.mean_kld:.5f}  top-1 {t.same_top1:.1f}%" if t.mean_kld is not None
@@ -227,6 +230,7 @@ def quantize_auto(path: str | os.PathLike, recipe: QuantizeRecipe, *, log=None):
     sel = select_scheme(path, x, method=search.method, lm_head=recipe.lm_head,
                         targets=list(recipe.targets) if recipe.targets else None, trust=recipe.trust,
                         candidates=candidates, progress=recipe.progress, log=log)
+    sel.bits = search.bits  # the table's header and report.extra["auto"] say the search was narrowed
     if sel.chosen is None:
         best = min((t for t in sel.trials if t.mean_kld is not None), key=lambda t: t.mean_kld, default=None)
         hint = f"; the best candidate, {best.scheme}, measured {best.mean_kld:.5f}" if best else ""

@@ -1,6 +1,7 @@
 """``embedq card`` / ``quantize --eval`` on hostile inputs: a README.md that is not UTF-8 or
 leads out of the folder, eval JSON nested beyond the recursion limit or holding NaN /
-Infinity. One ``embedq: error:`` line, exit 2, nothing read out of the folder or rewritten."""
+Infinity, a quantization_config.json that cannot be read. One ``embedq: error:`` line, exit 2,
+nothing read out of the folder or rewritten."""
 
 from __future__ import annotations
 
@@ -67,3 +68,67 @@ def test_api_eval_values_must_be_finite(derive):
         deep = [deep]
     with pytest.raises(CardError, match="nested too deeply"):
         refresh_card(out, eval_results=deep, write=False)
+
+
+def _garble(q, kind: str, monkeypatch) -> None:
+    """Make the folder's quantization_config.json ``q`` unreadable in the way ``kind`` names."""
+    q.unlink()
+    if kind == "dir":
+        q.mkdir()
+    elif kind == "dangling link":
+        q.symlink_to(q.parent / "gone.json")
+    elif kind == "permission denied":
+        q.write_text("{}")
+        q.chmod(0)
+        # root opens a mode-0 file anyway: refuse the open as the kernel would for others
+        import builtins
+
+        import embedq.format.files as files
+
+        def denying_open(path, *a, **kw):
+            if str(path) == str(q):
+                raise PermissionError(13, "Permission denied", str(path))
+            return builtins.open(path, *a, **kw)
+
+        monkeypatch.setattr(files, "open", denying_open, raising=False)
+    else:
+        q.write_text({"not JSON": "{nope", "empty": "", "a list": "[1, 2]", "a string": '"embedq"',
+                      "NaN": '{"format_version": NaN}', "not an embedq config": '{"modules": {}}'}[kind])
+
+
+@pytest.mark.parametrize("stdout", [False, True], ids=["write", "stdout"])
+@pytest.mark.parametrize("kind,words", [
+    ("not JSON", "not valid JSON"),
+    ("empty", "not valid JSON"),
+    ("a list", "expected a JSON object"),
+    ("a string", "expected a JSON object"),
+    ("NaN", "NaN is not JSON"),
+    ("not an embedq config", "not 'embedq'"),
+    ("dir", "a folder, not a JSON file"),
+    ("dangling link", "not found"),
+    ("permission denied", "cannot read it (Permission denied)"),
+])
+def test_unreadable_quantization_config(derive, monkeypatch, kind, words, stdout):
+    """``embedq card`` on a folder whose quantization_config.json is unreadable: the line the
+    other verbs give for it (parse_overlay_config's), the fix, exit 2; the card and every
+    other file as they were."""
+    from pubutil import snapshot
+    _, out, _ = derive("qwen2_tied", overlay_only=True)
+    q = out / "quantization_config.json"
+    before = {k: v for k, v in snapshot(out).items() if k != q.name}
+    _garble(q, kind, monkeypatch)
+    res = runner.invoke(app, ["card", str(out), *(["--stdout"] if stdout else [])])
+    refused(res, str(q), words, "README.md left as it was", "embedq quantize --output")
+    if kind == "permission denied":
+        q.chmod(0o644)
+    assert {k: v for k, v in snapshot(out).items() if k != q.name} == before
+    with pytest.raises(CardError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        refresh_card(out, write=False)
+
+
+def test_quantization_config_missing_is_not_refused(derive):
+    """No quantization_config.json at all: the card's stored state is enough (unchanged)."""
+    _, out, _ = derive("qwen2_tied", overlay_only=True)
+    (out / "quantization_config.json").unlink()
+    res = runner.invoke(app, ["card", str(out), "--stdout"])
+    assert res.exit_code == 0, res.output
