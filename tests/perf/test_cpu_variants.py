@@ -139,9 +139,10 @@ def test_cpu_features_override_picks_the_route(monkeypatch):
 SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"
 
 
-def _emulated(avx512: bool = True, vnni: bool = False):
-    """The AVX-512F source (``avx512``) or the AVX2 one, with the VNNI planes (``vnni``), built
-    for AVX2 over SIMDe's emulation of the instructions this CPU may lack."""
+def _emulated(avx512: bool = True, vnni: bool = False, q4d: bool = False):
+    """The AVX-512F source (``avx512``) or the AVX2 one, with the VNNI planes (``vnni``), over
+    the 4-bit dword layout (``q4d``), built for AVX2 over SIMDe's emulation of the
+    instructions this CPU may lack."""
     import os
 
     from clients import setup, unavailable
@@ -155,8 +156,8 @@ def _emulated(avx512: bool = True, vnni: bool = False):
         unavailable("SIMDe (libsimde-dev)", f"{SIMDE_HEADER} missing after scripts/setup_aarch64.sh")
     base = native_f32.VARIANTS["avx512f"]
     flags = [f for f in base.flags if not f.startswith("-mavx512")] + ["-Wno-psabi"]
-    flags += ["-DEQ_SIMDE"] * avx512 + ["-DEQ_SIMDE_VNNI"] * vnni
-    name = f"head_{'avx512f' if avx512 else 'avx2'}{'_vnni' * vnni}_simde"
+    flags += ["-DEQ_SIMDE"] * avx512 + ["-DEQ_SIMDE_VNNI"] * vnni + ["-DEQ_Q4D"] * q4d
+    name = f"head_{'avx512f' if avx512 else 'avx2'}{'_vnni' * vnni}{'_q4d' * q4d}_simde"
     lib = LazyLibrary(name, native_f32._source, flags, needs=("avx2", "fma", "f16c"), machines=base.machines,
                       setup=native_f32._setup, label=f"native head ({name} on SIMDe)")
     assert lib.get() is not None, lib.unavailable()
@@ -172,6 +173,19 @@ def _emulated_avx512f():
                               f"s_{str(sd)[6:]}" for sd, b, g, s, r, c in CASES[:8] + CASES[-2:]])
 def test_avx512f_source_equals_avx2_bit_for_bit(scale_dtype, bits, group, sym, rows, cols, monkeypatch):
     lib = _emulated_avx512f()
+    monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2"])
+    _assert_equals_avx2(lib, _table(bits, group, sym, rows, cols, scale_dtype), check=True)
+
+
+@pytest.mark.parametrize("scale_dtype,bits,group,sym,rows,cols", CASES[:len(SCHEMES)],
+                         ids=[f"int{b}-{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}"
+                              for _, b, g, s, r, c in CASES[:len(SCHEMES)]])
+def test_avx2vnni_source_equals_avx2_bit_for_bit(scale_dtype, bits, group, sym, rows, cols, monkeypatch):
+    """The avx2vnni row (Alder Lake and later, Sierra Forest, Zen 5) where no AVX-VNNI CPU is
+    at hand: its source over SIMDe's vpdpwssd / vpdpbusd equals the AVX2 build bit for bit at
+    every M and activation dtype (its test_variant_matches_reference cases skip here), and
+    meets the reference at M = 3 and 17. An AVX-VNNI CPU runs the real build above too."""
+    lib = _emulated(avx512=False, vnni=True)
     monkeypatch.setenv("EMBEDQ_CPU_FEATURES", SELECT["avx2"])
     _assert_equals_avx2(lib, _table(bits, group, sym, rows, cols, scale_dtype), check=True)
 
@@ -345,7 +359,7 @@ def _f32_builds():
     return {**native_f32.VARIANTS, **native_f32.A8_VARIANTS}
 
 
-@pytest.mark.parametrize("build", ["avx2", "avx2vnni", "avx512f", "avx512vnni"])
+@pytest.mark.parametrize("build", ["avx2", "avx2vnni", "avx2vnni_simde", "avx512f", "avx512vnni"])
 @pytest.mark.parametrize("group,sym,cols", [(None, True, 192), (None, False, 200), (32, False, 96), (64, True, 192),
                                             (128, False, 384)])
 def test_i8_one_row_integer_planes(build, group, sym, cols, monkeypatch):
@@ -353,9 +367,10 @@ def test_i8_one_row_integer_planes(build, group, sym, cols, monkeypatch):
     tables too) split into exact int16 planes; int8 codes widened to int16 meet them in
     vpmaddwd / vpdpwssd. Every build gives the AVX2 build's bits, the reference's values at the
     derived bound however many planes the exponents need; a float32 row with more than 15
-    significant bits, or an inf, takes the float path (0 planes) and still meets the bound."""
+    significant bits, or an inf, takes the float path (0 planes) and still meets the bound.
+    ``avx2vnni_simde``: the avx2vnni source over SIMDe's vpdpwssd, on any AVX2 CPU."""
     from embedq.kernels import native_f32
-    lib = _f32_builds()[build]
+    lib = _emulated(avx512=False, vnni=True) if build == "avx2vnni_simde" else _f32_builds()[build]
     monkeypatch.setenv("EMBEDQ_CPU_FEATURES", ",".join(lib.needs))
     why = lib.unavailable() or dispatch.isa_unavailable("avx2")
     if why:

@@ -88,6 +88,29 @@ def test_dword_large_batch_and_float32_fallback(isa, monkeypatch):
         assert torch.equal(_bits(p.linear(x)), _bits(pair.linear(x)))
 
 
+@pytest.mark.parametrize("group,sym,rows,cols,sd", CASES,
+                         ids=[f"{'row' if g is None else f'g{g}'}-{'sym' if s else 'asym'}-{r}x{c}-s_{str(d)[6:]}"
+                              for g, s, r, c, d in CASES])
+def test_avx2vnni_dword_source_on_simde_equals_avx2(group, sym, rows, cols, sd, monkeypatch):
+    """The avx2vnni dword row where no AVX-VNNI CPU is at hand (its cases above skip here): its
+    source over SIMDe's vpdpwssd equals the AVX2 dword build bit for bit, every M and dtype."""
+    from tests.perf.test_cpu_variants import _emulated
+    lib = _emulated(avx512=False, vnni=True, q4d=True)
+    _select("avx2", monkeypatch)
+    monkeypatch.setenv("EMBEDQ_SERVE_KERNEL", "native_q4d")
+    qt = _table(4, group, sym, rows, cols, sd)
+    p = PreparedTable.from_table(qt)
+    assert p.kind == "native_q4d", p.describe()
+    L, sp, gen = p.layout, p.layout.spec, torch.Generator().manual_seed(cols)
+    for m, dt in itertools.product((*MS, 256), (BF, F16, F32)):
+        x = torch.randn(m, cols, generator=gen).to(dt)
+        if m == 1:
+            x[0, :3] = torch.tensor([1e-3, 37.0, -2.5e-6]).to(dt)  # several planes per group
+        args = (L.w, L.s, L.z, sp.bits, sp.rows, sp.cols, sp.group, x)
+        want = native_f32.head(ROWS["avx2"].lib, *args)
+        assert torch.equal(_bits(native_f32.head(lib, *args)), _bits(want)), (m, dt)
+
+
 def test_dword_layout_is_opt_in_and_says_why_it_refuses(monkeypatch):
     if ROWS["avx2"].lib.unavailable():
         pytest.skip(ROWS["avx2"].lib.unavailable())
