@@ -16,7 +16,7 @@ SINGLE_NAME = "model.safetensors"
 OVERLAY_NAME = "embedq.safetensors"
 QCONFIG_NAME = "quantization_config.json"
 STATE_DIR = ".embedq"            # backups and the lock of an in-place overlay
-LOCK_FILE = "lock"               # in STATE_DIR: the folder lock (jobs/state.folder_lock)
+LOCK_FILE = "lock"               # in STATE_DIR: the folder lock (jobs/state.folder_lock), see lock_text
 
 # Last name component of an output-embedding (head) module across architectures.
 HEAD_NAMES = ("lm_head", "embed_out", "output")
@@ -45,6 +45,20 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON heade
 
 # Safetensors dtype names <-> the config's dtype names (float tables and scales).
 ST_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def lock_text(pid: int, verb: str) -> str:
+    """The text of LOCK_FILE while process ``pid`` runs ``embedq VERB`` (emptied on release)."""
+    return f"pid {pid}, embedq {verb}\n"
+
+
+def lock_pid(text: str) -> int | None:
+    """The pid a :func:`lock_text` names; None for any other text (an emptied or foreign file)."""
+    head, sep, _ = text.strip().partition(", embedq ")
+    word, _, num = head.partition(" ")
+    if not sep or word != "pid" or not (num.isascii() and num.isdigit()) or int(num) <= 0:
+        return None  # pid 0 or below would make os.kill(pid, 0) probe a process group
+    return int(num)
 
 
 def is_embedding_name(module: str) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from embedq.errors import OverlayError
 from embedq.format.constants import (CONFIG_NAME, INDEX_NAME, LOCK_FILE, OVERLAY_NAME, QCONFIG_NAME,
-                                     QUANT_METHOD, STATE_DIR)
+                                     QUANT_METHOD, STATE_DIR, lock_pid)
 
 PREVIOUS = "previous"
 JOURNAL = "journal.json"
@@ -129,15 +129,17 @@ def pending(path: Path) -> bool:
 
 
 def _committing(path: Path) -> str | None:
-    """The live embedq run holding the folder's lock, as its lock file names it ("pid N,
-    embedq VERB"; emptied on release, a killed holder's pid is dead); read only: taking the
-    lock, even shared for a moment, could refuse that run's own start."""
+    """The live embedq run holding the folder's lock, as its lock file names it
+    (:func:`~embedq.format.constants.lock_text`; emptied on release, a killed holder's pid is
+    dead); read only: taking the lock, even shared for a moment, could refuse that run's own start."""
     try:
         with open(Path(path) / STATE_DIR / LOCK_FILE, "rb", opener=_nofollow) as f:
             holder = f.read(200).decode("utf-8", "replace").strip()
-        pid = int(holder.split(",")[0].split()[1])
+        pid = lock_pid(holder)
+        if pid is None:
+            return None
         os.kill(pid, 0)
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
     return holder
 

@@ -67,7 +67,8 @@ def parse_bundle(overlay: str | os.PathLike) -> tuple[OverlayConfig, Path]:
 def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
     """Refuse a base whose source tables are not the ones the overlay was made from,
     an overlay that replaces anything but the base's embeddings and heads, and one that
-    ties (or unties) a head the base does not."""
+    ties (or unties) a head the base does not. Every refusal that reads no table comes
+    before the source tables are hashed (minutes on a big base)."""
     if isinstance(qconfig, dict):
         qconfig = parse_config(qconfig, "quantization_config.json")
     found = _base_targets(ckpt)
@@ -75,8 +76,8 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
         {x for x in [found[0].embedding, found[0].head, *found[0].extra_embeddings] if x}
     for name, entry in qconfig.modules.items():
         src = entry.source
-        tensor, want = src.tensor, src.digest
-        if not want:
+        tensor = src.tensor
+        if not src.digest:
             raise OverlayError(f"{qconfig.where}: module {name} records no source checksum; "
                                "cannot check the base")
         if not ckpt.has(tensor):
@@ -93,14 +94,21 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
         if src.dtype and dt != src.dtype:
             raise OverlayError(f"{ckpt.path / info.file}: {tensor} is {dt}, the overlay was made from "
                                f"{src.dtype} (a different revision?)")
-        got = _digest_range(ckpt.path / info.file, info.file_offset, info.nbytes, src.algorithm)
-        if got != want:
-            raise OverlayError(f"{ckpt.path / info.file}: {tensor} {src.algorithm} {got[:16]}… differs from the "
-                               f"overlay's source {want[:16]}… (a different revision of the base?); refusing")
     for alias, owner in qconfig.aliases.items():
         if allowed is not None and ckpt.has(alias + ".weight") and alias + ".weight" not in allowed:
             raise OverlayError(f"{qconfig.where}: alias {alias} is not an embedding or head of {ckpt.path}")
-    if found is not None:
+    compare = found is not None and _tie_compares_tables(qconfig, *found)
+    if found is not None and not compare:  # decided by config.json and the tensor names alone
+        _check_tie(ckpt, qconfig, *found)
+    for entry in qconfig.modules.values():
+        src = entry.source
+        info = ckpt.tensor(src.tensor)
+        got = _digest_range(ckpt.path / info.file, info.file_offset, info.nbytes, src.algorithm)
+        if got != src.digest:
+            raise OverlayError(f"{ckpt.path / info.file}: {src.tensor} {src.algorithm} {got[:16]}… differs from "
+                               f"the overlay's source {src.digest[:16]}… (a different revision of the base?); "
+                               "refusing")
+    if compare:  # reads both tables in full: only for a base whose source tables matched
         _check_tie(ckpt, qconfig, *found)
 
 
@@ -112,6 +120,11 @@ def _base_targets(ckpt: Checkpoint) -> tuple[Targets, bool] | None:
         return find_targets(ckpt)
     except EmbedqError:
         return None
+
+
+def _tie_compares_tables(qconfig: OverlayConfig, t: Targets, tied_cfg: bool) -> bool:
+    """Whether :func:`_check_tie` reads the base's embedding and head in full to decide."""
+    return bool(t.head and tied_cfg and not qconfig.tied)
 
 
 def _check_tie(ckpt: Checkpoint, qconfig: OverlayConfig, t: Targets, tied_cfg: bool) -> None:

@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 
 from embedq.errors import OverlayError
-from embedq.format.constants import LOCK_FILE, QUANT_METHOD
+from embedq.format.constants import LOCK_FILE, QUANT_METHOD, lock_text
 from embedq.format.checkpoint import (CONFIG_NAME, INDEX_NAME, OVERLAY_NAME, QCONFIG_NAME,
                                         STATE_DIR, Checkpoint)
 from embedq.format import staging
@@ -399,7 +399,7 @@ def folder_lock(path: str | os.PathLike, what: str):
         d.mkdir(exist_ok=True)
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, embedq {what}\n".encode(), 0)
+        os.pwrite(fd, lock_text(os.getpid(), what).encode(), 0)
     except OSError:
         pass
     try:

@@ -188,6 +188,29 @@ def test_apply_refuses_untied_bundle_on_tied_base(model_factory, derive, lm_head
     assert snapshot(base) == before and not (base / ".embedq").exists()
 
 
+def test_apply_refuses_a_tie_mismatch_before_hashing(model_factory, derive, monkeypatch):
+    """A tie mismatch that config.json and the tensor names decide is refused before any
+    source table is hashed (minutes on a big base); a base that fits is still hashed."""
+    import embedq.jobs.apply as apply_mod
+    from safetensors.torch import load_file
+    src, tied, _ = derive("qwen2_tied", bits=4, overlay_only=True)
+    _, untied, _ = derive("llama_untied_fp32", name="untied", overlay_only=True)
+    untied_base, tied_base = model_factory("qwen2_tied"), model_factory("llama_untied_fp32")
+    emb = load_file(untied_base / "model.safetensors")["model.embed_tokens.weight"]
+    _retie(untied_base, tied=False, head=(emb.float() * 0.5 + 0.01).to(emb.dtype))
+    _retie(tied_base, tied=True)
+    hashed: list = []
+    real = apply_mod._digest_range
+    monkeypatch.setattr(apply_mod, "_digest_range", lambda path, *a: hashed.append(path) or real(path, *a))
+    with pytest.raises(OverlayError, match="the bundle ties the head to the embedding"):
+        embedq.apply(untied_base, tied)
+    with pytest.raises(OverlayError, match="ties its head to the embedding"):
+        embedq.apply(tied_base, untied)
+    assert hashed == []
+    embedq.apply(src, tied)  # a base that fits: its source table is hashed
+    assert hashed == [src / "model.safetensors"]
+
+
 def test_apply_ambiguous_base_takes_the_bundles_choice(model_factory, derive):
     """A base whose config says tied but whose head differs (quantize needs --trust-config or
     --trust-tensors): the bundle made from it with one of them records that choice."""
@@ -228,3 +251,33 @@ def test_apply_tie_check_reads_no_table_it_does_not_need(model_factory, derive, 
     with pytest.raises(OverlayError, match="ties its head to the embedding"):
         embedq.apply(base, untied)
     assert calls == [("model.embed_tokens.weight", "lm_head.weight")]
+
+
+def test_apply_over_a_stale_backup_backs_up_the_current_files_and_warns(model_factory, derive):
+    """security.md 6: a backup that no longer matches the disk (the model was updated after
+    an in-place run) is never restored: ``apply`` backs up the current files instead, says
+    so, and ``remove`` then restores those, byte for byte."""
+    _, bundle, _ = derive("llama_untied_sharded", overlay_only=True)
+    base = model_factory("llama_untied_sharded")
+    index = (base / "model.safetensors.index.json").read_bytes()
+    embedq.quantize(base, 8, progress=False)
+    stale = snapshot(base / ".embedq")
+    cfg = json.loads((base / ".embedq" / "config.json").read_text())  # the model is updated
+    cfg["rope_theta"] = 12345.0  # (re-downloaded): a newer config.json, no overlay files
+    (base / "config.json").write_text(json.dumps(cfg, indent=1))
+    (base / "model.safetensors.index.json").write_bytes(index)
+    for n in ("embedq.safetensors", "quantization_config.json"):
+        (base / n).unlink()
+    newer = {n: (base / n).read_bytes() for n in ("config.json", "model.safetensors.index.json")}
+    r = CliRunner().invoke(app, ["apply", str(base), "--overlay", str(bundle)])
+    assert r.exit_code == 0, r.output
+    assert (f"warning: {base / '.embedq'}: ignored a stale backup (config.json was changed after embedq "
+            "backed it up); the current config.json is what `embedq remove` will restore") in r.output, r.output
+    assert snapshot(base / ".embedq") != stale
+    for n, data in newer.items():  # the current files backed up, the stale backup gone
+        assert (base / ".embedq" / n).read_bytes() == data, n
+    embedq.verify(base)
+    embedq.remove(base)
+    for n, data in newer.items():
+        assert (base / n).read_bytes() == data, n
+    assert not (base / ".embedq").exists()

@@ -145,3 +145,24 @@ def test_a_file_slipped_into_previous_never_costs_the_put_back_config(model_fact
     r = embedq("quantize", m, "-q", "--bits", "8")  # recovers, then refuses: an overlay is there
     assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, r.stderr
     assert (m / "quantization_config.json").read_bytes() == old_qc
+
+
+def test_lock_text_round_trips(model_factory, tmp_path):
+    """The lock file's text is written and read in one place (format/constants.py): what
+    folder_lock writes names its holder to readers; any other text (an emptied file, a
+    foreign or forged one) names no pid, so no reader probes one it does not name."""
+    from embedq.format.constants import lock_pid, lock_text
+    from embedq.format.kept import _committing
+    from embedq.jobs.state import folder_lock
+    for pid, verb in ((1, "quantize"), (os.getpid(), "apply"), (4194304, "remove")):
+        assert lock_pid(lock_text(pid, verb)) == pid
+    for text in ("", "\n", "another process", "pid", "pid 12", "pid x, embedq quantize",
+                 "pid 0, embedq quantize", "pid -1, embedq quantize", "pid \u00b2, embedq quantize"):
+        assert lock_pid(text) is None, text
+    m = tmp_path / "m"
+    shutil.copytree(model_factory(KIND), m, symlinks=True)
+    with folder_lock(m, "quantize"):
+        text = (m / ".embedq" / "lock").read_text()
+        assert text == lock_text(os.getpid(), "quantize")
+        assert _committing(m) == text.strip()
+    assert _committing(m) is None  # emptied (or removed) on release
