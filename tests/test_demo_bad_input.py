@@ -58,3 +58,22 @@ def test_an_interrupted_build_leaves_no_half_model(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert runner.invoke(app, ["demo", "--dir", str(tmp_path)]).exit_code == 0
     assert (tmp_path / "demo-model" / DEMO_MARKER).is_file()
+
+
+def test_a_killed_builds_staging_folder_is_removed_and_announced(tmp_path):
+    """A kill (no Ctrl-C handler runs) mid-build leaves demo's staging folder,
+    ``.embedq-demo-<pid>-<token>``; the next run removes it and says so on one line, as every
+    writing verb does with its leftovers (docs/usage.md, Safety)."""
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".embedq-demo-{dead.pid}-0a1b2c3d"
+    (left / "m").mkdir(parents=True)
+    (left / "m" / "config.json").write_text("{}")
+    r = runner.invoke(app, ["demo", "--dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert not left.exists()
+    lines = [ln for ln in r.output.splitlines() if "leftover(s) of an interrupted run" in ln]
+    assert len(lines) == 1 and left.name in lines[0], r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-model"]

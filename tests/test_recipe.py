@@ -104,6 +104,7 @@ def test_head_scheme_falls_back_to_the_table():
     ({"max_kld": 0.1, "format": "compressed-tensors", "output": "x"}, "embedq format only"),
     ({"format": "gguf"}, "--format 'gguf'"),
     ({"format": "compressed-tensors"}, "pass --output DIR"),
+    ({"overlay_only": True}, "--overlay-only writes an overlay bundle to --output DIR"),  # not in place
     ({"format": "compressed-tensors", "output": "x", "symmetric": False}, "drop --asym"),
     ({"chunk_rows": 0}, "--chunk-rows 0"),
     ({"bits": 3}, "--bits 3"),

@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Quick check: export MODEL with torch.onnx (no KV cache) and patch it in one step.
 
-        The graph takes ``input_ids`` [batch, seq] and returns ``logits``. For serving,
+        The graph takes ``input_ids`` (batch x seq) and returns ``logits``. For serving,
         build the graph with onnxruntime-genai's model builder or optimum
         (text-generation-with-past) and run ``embedq onnx patch`` on it (docs/onnx.md).
         """

@@ -33,11 +33,11 @@ from embedq.errors import OverlayError
 
 TAG = ".embedq-partial-"
 OLD_TAG = ".embedq-old-"
-DIR_PREFIX = ".embedq-"  # staging folders of a step: .embedq-<kind>-<pid>-<token>
+DIR_PREFIX = ".embedq-"  # staging folders of a step: .embedq-<kind>-<pid>-<token> (onnx export, demo)
 # <.name><tag><pid>-<token>; older releases' names (…<pid>.partial, …embedq-tmp-<pid>,
 # tempfile's .embedq-onnx-XXXXXXXX) are recognised too, so their leftovers go as well.
 _OURS = re.compile(r"^\.(?P<name>.+)(?P<tag>\.embedq-partial-|\.embedq-old-)(?P<pid>\d+)-[0-9a-z]+$")
-_DIR = re.compile(r"^\.embedq-(?P<kind>onnx|stage)-(?P<pid>\d+)-[0-9a-z]+$")
+_DIR = re.compile(r"^\.embedq-(?P<kind>onnx|stage|demo)-(?P<pid>\d+)-[0-9a-z]+$")
 _LEGACY = (re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.partial$"),
            re.compile(r"^\.(?P<name>.+)\.embedq-tmp-(?P<pid>\d+)$"),
            re.compile(r"^\.embedq-onnx-(?P<pid>)[0-9a-z_]{8}$"),

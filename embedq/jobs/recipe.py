@@ -121,6 +121,9 @@ class QuantizeRecipe:
             if not self.scheme.symmetric:
                 raise SchemeError("--format compressed-tensors: stock vLLM serves only symmetric embedding "
                                   "tables; drop --asym or use the default embedq format")
+        if self.overlay_only and self.output is None:  # refused, not ignored: in place is no bundle
+            raise EmbedqError("--overlay-only writes an overlay bundle to --output DIR: pass --output DIR "
+                              "(without it the overlay is added to the model's own folder)")
 
     @classmethod
     def from_options(cls, bits: int | None = None, *, group_size: int | None = None,
@@ -142,7 +145,7 @@ class QuantizeRecipe:
                     or head_group_size is not None or head_symmetric is not None:
                 raise EmbedqError("--max-kld/--auto choose bits (among --bits' schemes when given), "
                                   "group size and symmetry; "
-                                  "drop --group-size/--asym/--head-bits/--head-group-size")
+                                  "drop --group-size/--asym/--sym/--head-bits/--head-group-size")
             search = SchemeSearch(AUTO_MAX_KLD if max_kld is None else max_kld, method, scale_dtype, bits)
             return cls(scheme=None, search=search, **fields)
         scheme = Scheme.default(bits, symmetric, group_size, method, scale_dtype)
