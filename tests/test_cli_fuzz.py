@@ -14,7 +14,8 @@ verb in-process on a tiny checkpoint built once per module. For every example:
   may change only on exit 0 (and not at all with --output / --stdout / on failure).
 
 Slow success paths are kept out: ``onnx export`` only ever sees folders without an
-overlay (it fails before exporting); eval / --max-kld / gptq fail for want of a tokenizer.
+overlay (it fails before exporting); eval / --max-kld / gptq (on a table a head reads)
+fail for want of a tokenizer.
 Relative paths resolve in a fresh scratch folder three levels deep, so at most three
 ``..`` never leave it. The Hub is offline (HF_HUB_OFFLINE=1): Hub-id-looking strings fail
 without a network call. ``--profile`` is left out: it switches on a process-wide profiler.

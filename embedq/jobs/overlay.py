@@ -18,7 +18,7 @@ from embedq.errors import CheckpointError, EmbedqError, SchemeError
 from embedq.format.checkpoint import CONFIG_NAME, Checkpoint
 from embedq.format.codec import pack_zero_points, packed_zero_point_rows
 from embedq.format.config import module_entry
-from embedq.format.constants import OVERLAY_SUFFIXES
+from embedq.format.constants import OVERLAY_SUFFIXES, is_head_name
 from embedq.format.digest import DIGEST, new_hasher
 from embedq.format.dtypes import (DTYPE_NAMES, DTYPE_TO_ST_NAME, ST_NAME_TO_DTYPE, ST_TO_TORCH,
                                   dtype_from_name)
@@ -43,6 +43,11 @@ class ModulePlan:
     dtype: torch.dtype = torch.bfloat16
     file: str = ""
     aliases: list[str] = field(default_factory=list)
+
+    @property
+    def head_reads(self) -> bool:
+        """A head reads this table: the head's own, or one a tied head aliases (what gptq needs)."""
+        return self.role == "head" or any(is_head_name(a) for a in self.aliases)
 
     @property
     def scale_dtype(self) -> torch.dtype:

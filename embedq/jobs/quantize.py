@@ -13,16 +13,16 @@ import dataclasses
 import os
 import time
 
-from embedq.errors import SchemeError
+from embedq.errors import CheckpointError, SchemeError
 from embedq.format.checkpoint import OVERLAY_NAME, QCONFIG_NAME, Checkpoint
 from embedq.format.config import build_config, parse_config
-from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, is_head_name
+from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.files import check_writable
 from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
 from embedq.jobs.compressed_tensors import refuse_early
 from embedq.jobs.derived import check_output, write_derived
-from embedq.jobs.overlay import compile_min_bytes, plan_modules, write_overlay
+from embedq.jobs.overlay import ModulePlan, compile_min_bytes, plan_modules, write_overlay
 from embedq.jobs.recipe import QuantizeRecipe
 from embedq.jobs.report import Report
 from embedq.quant.profile import stage
@@ -42,7 +42,7 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
         raise SchemeError("--max-kld/--auto: the scheme is chosen by embedq.quality.select.quantize_auto")
     compile_min_bytes()  # a bad EMBEDQ_COMPILE_MIN_BYTES fails before gptq's calibration run
     calibration = recipe.calibration
-    if calibration is None and recipe.scheme.method == "gptq":  # head-aware: the head's inputs, measured once
+    if calibration is None and _needs_calibration(path, recipe):  # the head's inputs, measured once
         from embedq.jobs.calibration import collect_calibration
         calibration = collect_calibration(path, progress=recipe.progress)
     t0 = time.perf_counter()
@@ -56,21 +56,39 @@ def quantize_checkpoint(path: str | os.PathLike, recipe: QuantizeRecipe) -> Repo
         return _quantize(Checkpoint.open(path), t0, recipe, calibration)  # run's overlay may be back
 
 
+def _plan(ckpt: Checkpoint, r: QuantizeRecipe) -> tuple[list[ModulePlan], dict[str, str], bool]:
+    """:func:`plan_modules` for ``r``, with gptq only on tables a head reads (gather-only: mse)."""
+    plans, aliases, tied = plan_modules(ckpt, r.scheme, lm_head=r.lm_head, head_scheme=r.head_scheme,
+                                        targets=list(r.targets) if r.targets else None, trust=r.trust,
+                                        fit_default=r.fit_default)
+    for p in plans:
+        if p.scheme.method == "gptq" and not p.head_reads:
+            p.scheme = dataclasses.replace(p.scheme, method="mse")
+    return plans, aliases, tied
+
+
+def _needs_calibration(path: str | os.PathLike, r: QuantizeRecipe) -> bool:
+    """Whether some table gets gptq. Planned without the lock, as :func:`_quantize` will (it
+    plans again under the lock): calibration runs the model and must not hold the folder."""
+    if all(s is None or s.method != "gptq" for s in (r.scheme, r.head_scheme)):
+        return False
+    ckpt = Checkpoint.open(path)
+    state.base_state(ckpt, r.force, derived=r.output is not None)  # the config _quantize plans on
+    return any(p.scheme.method == "gptq" for p in _plan(ckpt, r)[0])
+
+
 def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) -> Report:
-    r, scheme, head_scheme = recipe, recipe.scheme, recipe.head_scheme
+    r, head_scheme = recipe, recipe.head_scheme
     notes: list[str] = []
     with stage("base state (existing overlay, config)"):
         base_qc = state.base_state(ckpt, r.force, derived=r.output is not None, warnings=notes)
     with stage("target discovery + tie check"):
-        plans, aliases, tied = plan_modules(ckpt, scheme, lm_head=r.lm_head, head_scheme=head_scheme,
-                                            targets=list(r.targets) if r.targets else None, trust=r.trust,
-                                            fit_default=r.fit_default)
+        plans, aliases, tied = _plan(ckpt, r)
+    if calibration is None and any(p.scheme.method == "gptq" for p in plans):
+        raise CheckpointError(f"{ckpt.path}: changed during the run (a head now reads a gptq "
+                              "table, which needs the calibration not collected); run again")
     if r.format == "compressed-tensors":  # before anything is written: an older output stays
         refuse_early(ckpt, base_qc, tied, aliases)
-    for p in plans:  # gptq weights by what the head needs: gather-only tables get mse
-        if p.scheme.method == "gptq" and p.role != "head" and not any(
-                is_head_name(a) for a in p.aliases):
-            p.scheme = dataclasses.replace(p.scheme, method="mse")
     scheme = plans[0].scheme  # as fitted to the embedding's width
     advice = scheme_advice(scheme, {"tie_word_embeddings": tied}, head_scheme=head_scheme,
                            lm_head=r.lm_head)

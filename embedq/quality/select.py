@@ -128,8 +128,7 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
     ckpt = Checkpoint.open(p)
     probe = Scheme(bits=8)
     plans, aliases, tied = plan_modules(ckpt, probe, lm_head=lm_head, targets=targets, trust=trust)
-    head_reads = tied or lm_head
-    method = method or ("gptq" if head_reads else "mse")
+    method = method or ("gptq" if any(pl.head_reads for pl in plans) else "mse")
 
     body, desc = read_text(text) if text is not None else default_text()
     tok = load_tokenizer(p)
@@ -150,13 +149,13 @@ def select_scheme(path: str | os.PathLike, max_kld: float, *, method: str | None
     ref_logits = logits_all()
     targets_next = [ctx[i, 1:] for i in range(ctx.shape[0])]
 
-    from embedq.jobs.calibration import collect_calibration
-    cal = collect_calibration(p, progress=progress) if method == "gptq" else None
-
     def method_for(pl) -> str:
         # gptq weights by what the head needs: only for tables a head reads
-        reads_head = pl.role == "head" or (pl.role == "embedding" and bool(pl.aliases) and tied)
-        return method if (method != "gptq" or reads_head) else "mse"
+        return method if (method != "gptq" or pl.head_reads) else "mse"
+
+    from embedq.jobs.calibration import collect_calibration
+    gptq = any(method_for(pl) == "gptq" for pl in plans)  # else calibration would go unused
+    cal = collect_calibration(p, progress=progress) if gptq else None
 
     sel = Selection(max_kld, None, sample=desc, tokens=sum(int(t.numel()) for t in targets_next))
     sel.calibration = cal

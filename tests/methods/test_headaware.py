@@ -129,6 +129,57 @@ def test_quantize_checkpoint_with_gptq(model_factory, kind):
     assert all(t.bits == 4 for t in ov.tables.values())
 
 
+def _no_calibration_run(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("collect_calibration ran")
+    monkeypatch.setattr("embedq.jobs.calibration.collect_calibration", refuse)
+
+
+def _methods(path) -> dict[str, str]:
+    cfg = json.loads((path / "quantization_config.json").read_text())
+    return {m: e["method"] for m, e in cfg["modules"].items()}
+
+
+def test_gptq_on_a_gather_only_table_runs_no_calibration(model_factory, monkeypatch):
+    """Untied, no --lm-head: no head reads the table, so it gets mse without the calibration
+    run (which would fail here: the checkpoint has no tokenizer)."""
+    from tests.ckptutil import run_cli
+    path = model_factory("llama_untied_sharded")
+    _no_calibration_run(monkeypatch)
+    code, out = run_cli("quantize", path, "--bits", "4", "--method", "gptq", "--quiet")
+    assert code == 0, out
+    assert _methods(path) == {"model.embed_tokens": "mse"}
+    out_dir = path.parent / "derived"
+    code, out = run_cli("quantize", path, "--bits", "4", "--method", "gptq", "--quiet",
+                        "--output", out_dir)
+    assert code == 0, out
+    assert _methods(out_dir) == {"model.embed_tokens": "mse"}
+
+
+def test_gptq_with_lm_head_still_calibrates(model_factory):
+    """--lm-head: the head reads its table, so calibration runs (no tokenizer: refused as before)."""
+    from tests.ckptutil import assert_one_line_error, run_cli, snapshot
+    path = model_factory("llama_untied_sharded")
+    before = snapshot(path)
+    code, out = run_cli("quantize", path, "--bits", "4", "--method", "gptq", "--lm-head", "--quiet")
+    assert_one_line_error(code, out, "no usable tokenizer")
+    assert snapshot(path) == before
+
+
+def test_gptq_uses_a_given_calibration(model_factory, monkeypatch):
+    """``embedq.quantize(..., calibration=cal)``: used for the head, never collected again."""
+    import embedq
+    path = model_factory("llama_untied_sharded")
+    _no_calibration_run(monkeypatch)
+    cal = Calibration(_spd(64, 1), damp=1.0)
+    embedq.quantize(path, bits=4, method="gptq", lm_head=True, calibration=cal, progress=False)
+    assert _methods(path) == {"model.embed_tokens": "mse", "lm_head": "gptq"}
+    embedq.verify(path)
+    path = model_factory("llama_untied_sharded")  # no head reads it: the calibration goes unused
+    embedq.quantize(path, bits=4, method="gptq", calibration=cal, progress=False)
+    assert _methods(path) == {"model.embed_tokens": "mse"}
+
+
 @pytest.mark.parametrize("method", ["mse", "gptq"])
 @pytest.mark.parametrize("bits,group,symmetric", [(4, 32, False), (8, None, True)])
 def test_streaming_chunks_do_not_change_the_output(method, bits, group, symmetric):
