@@ -48,7 +48,7 @@ main_suite() {
     local s
     for s in aarch64 webgpu genai optimum llamacpp transformersjs; do await_setup "$s"; done
     local rc=0
-    "$VENV/bin/python" -m pytest tests --durations=10 "$@" || rc=$?
+    "$VENV/bin/python" -m pytest tests --durations=25 "$@" || rc=$?
     if [ $rc -eq 5 ]; then
         echo "test.sh: pytest collected no tests: failing" >&2
         return 1
