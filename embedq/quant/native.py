@@ -137,6 +137,76 @@ static inline float scale_up(float scale, int kind, void* out, int64_t k) {
     return f;
 }
 
+/* AVX-512: a group of a multiple of 16 elements in registers, 16 at a time (range, codes,
+   packing, statistics). The same IEEE operations per element as qblock (division, round to
+   nearest even, adds of small integers, the clamps' NaN behaviour), so the same bytes; only
+   the statistics' sums reassociate. -DEQ_QUANT_SCALAR builds the loops above alone (tests). */
+#if defined(__AVX512F__) && !defined(EQ_QUANT_SCALAR)
+#include <immintrin.h>
+#define QVEC 1
+static inline __m512i vload(const void* p, int isbf, int64_t i) {  /* 16 elements as float32 bits */
+    if (isbf) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i))), 16);
+    return _mm512_loadu_si512((const float*)p + i);
+}
+static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    if (!asym) {
+        __m512i m = _mm512_setzero_si512();
+        for (int64_t i = 0; i < g; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(vload(p, isbf, i), abs));
+        uint32_t r = _mm512_reduce_max_epu32(m);
+        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        return;
+    }
+    __m512i lo = _mm512_set1_epi32(INT32_MAX), hi = _mm512_set1_epi32(INT32_MIN);
+    for (int64_t i = 0; i < g; i += 16) {
+        __m512i v = vload(p, isbf, i);
+        __m512i k = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), abs));  /* okey */
+        lo = _mm512_min_epi32(lo, k);
+        hi = _mm512_max_epi32(hi, k);
+    }
+    float fl = bitsf(unkey(_mm512_reduce_min_epi32(lo))), fh = bitsf(unkey(_mm512_reduce_max_epi32(hi)));
+    int nan = fl != fl || fh != fh;
+    *a = nan ? NAN : fl; *b = nan ? NAN : fh;
+}
+static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
+                          int bits, uint8_t* restrict o, int stats, __m512i* mx, float* gse, float* gsr) {
+    const __m512 vsc = _mm512_set1_ps(sc), vz = _mm512_set1_ps(z), vmin = _mm512_set1_ps(qmin),
+                 vmax = _mm512_set1_ps(qmax), voff = _mm512_set1_ps(off);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), lo32 = _mm512_set1_epi64(0xffffffffLL);
+    __m512 se = _mm512_setzero_ps(), sr = _mm512_setzero_ps();
+    for (int64_t i = 0; i < g; i += 16) {
+        __m512 v = _mm512_castsi512_ps(vload(p, isbf, i));
+        __m512 t = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(v, vsc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+        t = _mm512_max_ps(vmin, t);  /* t < qmin ? qmin : t -- a NaN stays (max_ps returns its 2nd operand) */
+        t = _mm512_min_ps(vmax, t);
+        __m512i u = _mm512_cvttps_epi32(_mm512_add_ps(t, voff));
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i*)(o + i), _mm512_cvtepi32_epi8(u));
+        } else {  /* element 2j low nibble, 2j+1 high: per 64-bit lane lo | hi << 4, then its low byte */
+            __m512i w = _mm512_or_si512(_mm512_and_si512(u, lo32), _mm512_slli_epi64(_mm512_srli_epi64(u, 32), 4));
+            _mm_storel_epi64((__m128i*)(o + i / 2), _mm512_cvtepi64_epi8(w));
+        }
+        if (stats) {
+            __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(t, vz), vsc), v);
+            *mx = _mm512_max_epu32(*mx, _mm512_and_si512(_mm512_castps_si512(d), abs));
+            se = _mm512_add_ps(se, _mm512_mul_ps(d, d));
+            sr = _mm512_add_ps(sr, _mm512_mul_ps(v, v));
+        }
+    }
+    if (stats) { *gse += _mm512_reduce_add_ps(se); *gsr += _mm512_reduce_add_ps(sr); }
+}
+#define VMX_DECL __m512i vmx = _mm512_setzero_si512()
+#define VMX_FOLD do { uint32_t v_ = _mm512_reduce_max_epu32(vmx); mx = v_ > mx ? v_ : mx; } while (0)
+#define vrange_ vrange
+#define vgroup_ vgroup
+#else
+#define QVEC 0
+#define VMX_DECL int vmx = 0
+#define VMX_FOLD (void)vmx
+#define vrange_(...) ((void)0)
+#define vgroup_(...) ((void)0)
+#endif
+
 /* One chunk of ngroups groups of g elements: range, scale (+ zero point), codes, packing,
    statistics -- each group read from memory once and then from L1/L2.
    s_out: the scales in the storage dtype; zp_out (asym): int8 zero points.
@@ -148,11 +218,13 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -qmax - 1.0f, off = qmax + 1.0f; \
     const int stats = st != 0, per = 8 / bits, smax = (SIGNED_MAX_BITS >> bits) & 1;        \
     uint32_t mx = 0; double se = 0.0, sr = 0.0;                                              \
+    const int vec = QVEC && g % 16 == 0 && (bits == 8 || bits == 4); VMX_DECL;              \
     float v[BLK]; uint8_t u[BLK];                                                            \
     for (int64_t k = 0; k < ngroups; k++) {                                                  \
         const T* p = x + k * g;                                                              \
         float a, b, sc, z = 0.0f;                                                            \
-        RANGE(p, 1, g, asym || smax, &a, &b); /* signed-max: min (a) and max (b) */         \
+        if (vec) vrange_(p, sizeof(T) == 2, g, asym || smax, &a, &b);                       \
+        else RANGE(p, 1, g, asym || smax, &a, &b); /* signed-max: min (a) and max (b) */    \
         if (!asym) {                                                                         \
             /* absmax / qmax, or signed-max: the signed extreme / qmin (IntUnit.signed_max) */ \
             float m = smax ? (-a > b ? a : b) : a;                                           \
@@ -168,7 +240,9 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
             zp_out[k] = (int8_t)(int32_t)z;                                                  \
         }                                                                                    \
         float gse = 0.0f, gsr = 0.0f;                                                        \
-        for (int64_t i0 = 0; i0 < g; i0 += BLK) {                                            \
+        if (vec) vgroup_(p, sizeof(T) == 2, g, sc, z, qmin, qmax, off, bits,                 \
+                         out + k * g * bits / 8, stats, &vmx, &gse, &gsr);                   \
+        else for (int64_t i0 = 0; i0 < g; i0 += BLK) {                                      \
             int64_t n = g - i0 < BLK ? g - i0 : BLK;                                         \
             for (int64_t i = 0; i < n; i++) v[i] = CVT(p[i0 + i]);                           \
             if (per == 1) {                                                                  \
@@ -181,9 +255,11 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
         }                                                                                    \
         if (stats) { se += gse; sr += gsr; }                                                 \
     }                                                                                        \
+    VMX_FOLD;                                                                                \
     if (stats) { st[0] = mx > 0x7f800000u ? NAN : bitsf(mx); st[1] = se; st[2] = sr; }       \
 }
 static inline float f32f(float f) { return f; }
+int quant_vector(void) { return QVEC; }  /* whether groups of 16k elements take the AVX-512 path */
 QUANT(quant_bf16, range_bf16, uint16_t, bf16f)
 QUANT(quant_f32, range_f32, float, f32f)
 """
@@ -197,6 +273,8 @@ _lock = threading.Lock()  # the kernel thread pool's
 
 def _signatures(lib) -> None:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_vector.restype = F
+    lib.quant_vector.argtypes = []
     for n in ("quant_bf16", "quant_f32"):
         getattr(lib, n).argtypes = [P, I, I, F, F, F, P, P, P, P]
         getattr(lib, n).restype = None

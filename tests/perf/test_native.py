@@ -36,6 +36,43 @@ def test_native_matches_reference(bits, group, sym, src, shape):
         assert st[2] == pytest.approx(ref[3][2], rel=1e-5)
 
 
+def test_vector_groups_equal_the_scalar_loops(monkeypatch):
+    """Groups of a multiple of 16 elements take the AVX-512 path where the compiler targets it
+    (-march=native): it writes the scalar loops' bytes, scales and zero points exactly, and the
+    same max |x̂ - x|, every scheme, with zeros, signed zeros, subnormals, infinities and NaN in
+    the table (the sums only reassociate). -DEQ_QUANT_SCALAR builds the loops alone."""
+    from embedq.kernels.build import LazyLibrary
+    from pathlib import Path
+    lib = native.library()
+    info = Path("/proc/cpuinfo")
+    if info.exists() and " avx512f " in info.read_text().replace("\n", " "):
+        assert lib.quant_vector() == 1  # -march=native on an AVX-512 CPU: the path is built
+    if not lib.quant_vector():
+        pytest.skip("the native quantizer has no AVX-512 path on this CPU (the scalar loops are the ones tested above)")
+    scalar = LazyLibrary("native_scalar", native.C_SOURCE, [*native.FLAGS, "-DEQ_QUANT_SCALAR"], ["-lm"],
+                         setup=native._signatures, label="native quantize (scalar loops)")
+    assert scalar.get() is not None and scalar.get().quant_vector() == 0, scalar.unavailable()
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-45, 3e38])
+    for src in (BF, F32):
+        x = table(96, 640, src, seed=7)
+        x[3] = 0
+        x[4, :] = -x[4, :].abs()  # all negative: asym zero point at qmax, signed-max picks the minimum
+        x[5, 100:108] = specials.to(src)
+        x[6, 33] = float("nan")
+        x[7, 0] = float("inf")
+        for (bits, group, sym), sd in itertools.product(SCHEMES, (BF, F16, F32)):
+            g = Scheme.default(bits, sym, group if group else 0).effective_group(640)
+            got = native.quantize_pack(x, bits, g, sym, sd, True)
+            with monkeypatch.context() as m:
+                m.setattr(native, "LIBRARY", scalar)
+                want = native.quantize_pack(x, bits, g, sym, sd, True)
+            for a, b in zip(got[:3], want[:3]):
+                assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                    (src, bits, g, sym, sd)
+            assert math.isnan(got[3][0]) == math.isnan(want[3][0])
+            assert math.isnan(got[3][0]) or got[3][0] == want[3][0]
+
+
 def test_quantize_pack_uses_native_by_default(monkeypatch):
     monkeypatch.delenv("EMBEDQ_KERNEL", raising=False)
     monkeypatch.delenv("EMBEDQ_COMPILE", raising=False)
