@@ -79,3 +79,21 @@ def test_cli_patch_and_wrong_overlay(float_model, overlay_for, tmp_path):
 def test_help(argv):
     res = runner.invoke(app, argv)
     assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_export_without_onnxscript_says_so_first(model_factory, monkeypatch, tmp_path):
+    """docs/onnx.md: without the onnx extra, one line naming it and exit 2. ``export`` needs
+    onnxscript (torch.onnx's dynamo exporter) too: said before the slow load and export,
+    not as a failed torch.onnx.export after them."""
+    import sys
+    ckpt = model_factory("qwen2_tied")
+    embedq.quantize(ckpt, bits=4, progress=False)
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # import onnxscript -> ImportError
+    out = tmp_path / "m.onnx"
+    res = runner.invoke(app, ["onnx", "export", str(ckpt), "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "embedq: error: onnxscript not installed: pip install 'embedq[onnx]'" in res.output
+    assert not out.exists() and not list(tmp_path.iterdir())
+    # patch does not need onnxscript: its check names only onnx and onnxruntime
+    from embedq.backends.onnx import require_onnx
+    require_onnx()

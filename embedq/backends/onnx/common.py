@@ -32,16 +32,18 @@ class OnnxError(EmbedqError):
     """An ONNX graph cannot be exported or patched with this overlay."""
 
 
-def require_onnx() -> None:
-    """Raise :class:`OnnxError` (one CLI line) when the ``onnx`` extra is not installed."""
+def require_onnx(export: bool = False) -> None:
+    """Raise :class:`OnnxError` (one CLI line) when the ``onnx`` extra is not installed;
+    ``export``: also onnxscript, which ``torch.onnx.export(dynamo=True)`` needs."""
     missing = []
-    for mod in ("onnx", "onnxruntime"):
+    for mod in ("onnx", "onnxruntime", *(("onnxscript",) if export else ())):
         try:
             __import__(mod)
         except ImportError:
             missing.append(mod)
     if missing:
-        raise OnnxError(f"{' and '.join(missing)} not installed: pip install 'embedq[onnx]'")
+        raise OnnxError(f"{', '.join(missing[:-1])}{' and ' if len(missing) > 1 else ''}{missing[-1]} "
+                        "not installed: pip install 'embedq[onnx]'")
 
 
 # --------------------------------------------------------------------------- dtypes

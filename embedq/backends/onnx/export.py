@@ -139,7 +139,7 @@ def export_model(model_dir: str | os.PathLike, output: str | os.PathLike, *,
     ``max_tensor_bytes`` / ``target``: split the quantized tables, as :func:`patch_model`.
     """
     from embedq.backends.onnx.common import require_onnx
-    require_onnx()
+    require_onnx(export=True)  # onnxscript too: fail before the slow load and export
     from embedq.format.reader import parse_overlay_config
     from embedq.format.dtypes import dtype_from_name
     from embedq.backends.onnx.write import check_not_input, check_output_file, folder_inputs, new_parents
