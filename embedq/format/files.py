@@ -217,3 +217,14 @@ def check_writable(path: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise OverlayError(f"{path}: folder is not writable ({e.strerror or e})") from None
+
+
+def folder_files(folder: str | os.PathLike, outputs: tuple[str, ...] = ()) -> list[Path]:
+    """The files of a model or overlay folder an output must never replace, ``--force`` or
+    not: every file in it and its sub-folders (shards an index names there, ``.embedq/``'s
+    backups), but those ending in one of ``outputs`` (a verb's earlier outputs, which
+    ``--force`` may replace). Folder links are not followed."""
+    found = []
+    for root, _, names in os.walk(folder, onerror=lambda e: None):
+        found += [Path(root) / n for n in names if not (outputs and n.endswith(outputs))]
+    return found

@@ -38,6 +38,29 @@ def test_force_output_is_an_overlay_file(tiny, tiny_overlays, tmp_path, name):
     assert runner.invoke(app, ["verify", str(ov)]).exit_code == 0
 
 
+def test_force_never_replaces_a_file_of_an_in_place_overlays_folder(tiny, tmp_path):
+    """An in-place overlay's folder is the model's: --force replaces an earlier GGUF output
+    there, never a float shard or a backup (as onnx's --force), and leaves the folder whole."""
+    hf, base = tiny
+    model = shutil.copytree(hf, tmp_path / "model")
+    r = runner.invoke(app, ["quantize", str(model), "-q", "--lm-head", "--group-size", "32", "--scale-dtype", "float16"])
+    assert r.exit_code == 0, r.output
+    out = model / "out.gguf"
+    for _ in range(2):  # a new output, then the same again with --force
+        res = runner.invoke(app, ["gguf", str(base), "--overlay", str(model), "-o", str(out), "--force"])
+        assert res.exit_code == 0, res.output
+    out.unlink()
+    before = snapshot(model)
+    victims = [p for p in model.rglob("*") if p.is_file() and p.suffix != ".gguf"
+               and p.name not in ("embedq.safetensors", "quantization_config.json", "config.json")]
+    assert any(p.suffix == ".safetensors" for p in victims) and any(".embedq" in p.parts for p in victims)
+    for victim in victims:
+        res = runner.invoke(app, ["gguf", str(base), "--overlay", str(model), "-o", str(victim), "--force"])
+        _refused(res, str(victim), "a file of the overlay's folder")
+    assert snapshot(model) == before
+    assert runner.invoke(app, ["verify", str(model)]).exit_code == 0
+
+
 def _kv_header(key: str, vtype: int) -> bytes:
     """A GGUF v3 header with one key/value, cut right after the value's type."""
     k = key.encode()

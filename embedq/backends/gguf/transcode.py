@@ -28,6 +28,7 @@ from embedq.backends.gguf.container import (HEADER, GGUFError, GGUFFile, TensorI
                                             tensor_nbytes, type_size)
 from embedq.errors import OverlayError, SchemeError
 from embedq.format.constants import CONFIG_NAME, QCONFIG_NAME, is_head_name
+from embedq.format.files import folder_files
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 EXACT_FLAGS = "`--bits 8 --group-size 32 --scale-dtype float16` or `--bits 4 --group-size 32 --scale-dtype float16`"
@@ -248,6 +249,12 @@ def transcode(base: str | os.PathLike, overlay: str | os.PathLike, output: str |
         if src is not None and _same_file(src, output):
             raise GGUFError(f"{output}: is {src}, an input of this run (the overlay); "
                             "write the result to another file")
+    # nor any other file of the overlay's folder (an in-place overlay's: the model's shards,
+    # .embedq/'s backups), as onnx's --force: only an earlier .gguf output there is replaced
+    for src in folder_files(overlay, (".gguf",)) if output.exists() else ():
+        if _same_file(src, output):
+            raise GGUFError(f"{output}: is a file of the overlay's folder {overlay} (not an earlier "
+                            "GGUF output); write the result to another file")
     jobs, notes = _plan(info, ov, where)
     with open(base, "rb") as f:
         ratios = {j.tensor: _check(info, f, j, where) for j in jobs}

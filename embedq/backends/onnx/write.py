@@ -79,13 +79,11 @@ def _stale(out: Path, keep: set[str]) -> set[str]:
 
 
 def folder_inputs(folder: Path) -> list[Path]:
-    """The files of an input model or overlay folder a command must never write over: every
-    file in it and its sub-folders (shards an index names there, ``.embedq/``'s backups),
-    but ONNX graphs and their data, which are earlier outputs (``--force`` replaces them)."""
-    found = []
-    for root, _, names in os.walk(folder, onerror=lambda e: None):  # folder links not followed
-        found += [Path(root) / n for n in names if not n.endswith((".onnx", ".data"))]
-    return found
+    """The files of an input model or overlay folder a command must never write over
+    (:func:`~embedq.format.files.folder_files`), but ONNX graphs and their data, which are
+    earlier outputs (``--force`` replaces them)."""
+    from embedq.format.files import folder_files
+    return folder_files(folder, (".onnx", ".data"))
 
 
 def check_not_input(out: Path, inputs: Iterable[Path]) -> None:
