@@ -138,12 +138,12 @@ static inline float scale_up(float scale, int kind, void* out, int64_t k) {
 }
 
 /* AVX-512: a group of a multiple of 16 elements in registers, 16 at a time (range, codes,
-   packing, statistics). The same IEEE operations per element as qblock (division, round to
+   packing, statistics; AVX2 below: 8). The same IEEE operations per element as qblock (division, round to
    nearest even, adds of small integers, the clamps' NaN behaviour), so the same bytes; only
    the statistics' sums reassociate. -DEQ_QUANT_SCALAR builds the loops above alone (tests). */
 #if defined(__AVX512F__) && !defined(EQ_QUANT_SCALAR)
 #include <immintrin.h>
-#define QVEC 1
+#define QVEC 16
 static inline __m512i vload(const void* p, int isbf, int64_t i) {  /* 16 elements as float32 bits */
     if (isbf) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i))), 16);
     return _mm512_loadu_si512((const float*)p + i);
@@ -199,6 +199,84 @@ static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z,
 #define VMX_FOLD do { uint32_t v_ = _mm512_reduce_max_epu32(vmx); mx = v_ > mx ? v_ : mx; } while (0)
 #define vrange_ vrange
 #define vgroup_ vgroup
+#elif defined(__AVX2__) && !defined(EQ_QUANT_SCALAR)
+/* AVX2 (Zen 1-3, Haswell to Comet Lake, E-core Xeons): the same, 8 elements at a time */
+#include <immintrin.h>
+#define QVEC 8
+static inline __m256i vload(const void* p, int isbf, int64_t i) {
+    if (isbf) return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))), 16);
+    return _mm256_loadu_si256((const __m256i*)((const float*)p + i));
+}
+static inline __m128i fold(__m256i v, int op) {  /* 8 lanes to 4, then 4 to 1 (lane 0): 0 max_epu32, 1 min_epi32, 2 max_epi32 */
+    __m128i a = _mm256_castsi256_si128(v), b = _mm256_extracti128_si256(v, 1);
+    for (int k = 0; k < 3; k++) {
+        a = op == 0 ? _mm_max_epu32(a, b) : op == 1 ? _mm_min_epi32(a, b) : _mm_max_epi32(a, b);
+        b = _mm_shuffle_epi32(a, k == 0 ? 0x4e : 0xb1);
+    }
+    return a;
+}
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff);
+    if (!asym) {
+        __m256i m = _mm256_setzero_si256();
+        for (int64_t i = 0; i < g; i += 8) m = _mm256_max_epu32(m, _mm256_and_si256(vload(p, isbf, i), abs));
+        uint32_t r = (uint32_t)_mm_cvtsi128_si32(fold(m, 0));
+        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        return;
+    }
+    __m256i lo = _mm256_set1_epi32(INT32_MAX), hi = _mm256_set1_epi32(INT32_MIN);
+    for (int64_t i = 0; i < g; i += 8) {
+        __m256i v = vload(p, isbf, i);
+        __m256i k = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), abs));  /* okey */
+        lo = _mm256_min_epi32(lo, k);
+        hi = _mm256_max_epi32(hi, k);
+    }
+    float fl = bitsf(unkey(_mm_cvtsi128_si32(fold(lo, 1)))), fh = bitsf(unkey(_mm_cvtsi128_si32(fold(hi, 2))));
+    int nan = fl != fl || fh != fh;
+    *a = nan ? NAN : fl; *b = nan ? NAN : fh;
+}
+static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
+                          int bits, uint8_t* restrict o, int stats, __m256i* mx, float* gse, float* gsr) {
+    const __m256 vsc = _mm256_set1_ps(sc), vz = _mm256_set1_ps(z), vmin = _mm256_set1_ps(qmin),
+                 vmax = _mm256_set1_ps(qmax), voff = _mm256_set1_ps(off);
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), low = _mm256_set1_epi64x(0xff);
+    /* byte 0 and 8 of each 128-bit lane to its bytes 0 and 1 */
+    const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256 se = _mm256_setzero_ps(), sr = _mm256_setzero_ps();
+    for (int64_t i = 0; i < g; i += 8) {
+        __m256 v = _mm256_castsi256_ps(vload(p, isbf, i));
+        __m256 t = _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(v, vsc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+        t = _mm256_max_ps(vmin, t);  /* t < qmin ? qmin : t -- a NaN stays (max_ps returns its 2nd operand) */
+        t = _mm256_min_ps(vmax, t);
+        __m256i u = _mm256_cvttps_epi32(_mm256_add_ps(t, voff));
+        if (bits == 8) {  /* codes 0..255 (a NaN's 0x80000000 saturates to 0, its low byte) */
+            __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+            _mm_storel_epi64((__m128i*)(o + i), _mm_packus_epi16(w, w));
+        } else {  /* element 2j low nibble, 2j+1 high: per 64-bit lane (lo | hi << 4) & 0xff */
+            __m256i w = _mm256_and_si256(_mm256_or_si256(u, _mm256_slli_epi64(_mm256_srli_epi64(u, 32), 4)), low);
+            w = _mm256_shuffle_epi8(w, pick);
+            int32_t four = _mm_cvtsi128_si32(_mm_unpacklo_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+            memcpy(o + i / 2, &four, 4);
+        }
+        if (stats) {
+            __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(t, vz), vsc), v);
+            *mx = _mm256_max_epu32(*mx, _mm256_and_si256(_mm256_castps_si256(d), abs));
+            se = _mm256_add_ps(se, _mm256_mul_ps(d, d));
+            sr = _mm256_add_ps(sr, _mm256_mul_ps(v, v));
+        }
+    }
+    if (stats) { *gse += hsum(se); *gsr += hsum(sr); }
+}
+#define VMX_DECL __m256i vmx = _mm256_setzero_si256()
+#define VMX_FOLD do { uint32_t v_ = (uint32_t)_mm_cvtsi128_si32(fold(vmx, 0)); mx = v_ > mx ? v_ : mx; } while (0)
+#define vrange_ vrange
+#define vgroup_ vgroup
 #else
 #define QVEC 0
 #define VMX_DECL int vmx = 0
@@ -218,7 +296,7 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -qmax - 1.0f, off = qmax + 1.0f; \
     const int stats = st != 0, per = 8 / bits, smax = (SIGNED_MAX_BITS >> bits) & 1;        \
     uint32_t mx = 0; double se = 0.0, sr = 0.0;                                              \
-    const int vec = QVEC && g % 16 == 0 && (bits == 8 || bits == 4); VMX_DECL;              \
+    const int vec = QVEC && g % (QVEC ? QVEC : 1) == 0 && (bits == 8 || bits == 4); VMX_DECL; \
     float v[BLK]; uint8_t u[BLK];                                                            \
     for (int64_t k = 0; k < ngroups; k++) {                                                  \
         const T* p = x + k * g;                                                              \
@@ -259,7 +337,7 @@ void NAME(const T* x, int64_t ngroups, int64_t g, int bits, int asym, int kind, 
     if (stats) { st[0] = mx > 0x7f800000u ? NAN : bitsf(mx); st[1] = se; st[2] = sr; }       \
 }
 static inline float f32f(float f) { return f; }
-int quant_vector(void) { return QVEC; }  /* whether groups of 16k elements take the AVX-512 path */
+int quant_vector(void) { return QVEC; }  /* the vector width groups of its multiples take (0: none) */
 QUANT(quant_bf16, range_bf16, uint16_t, bf16f)
 QUANT(quant_f32, range_f32, float, f32f)
 """

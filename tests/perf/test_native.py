@@ -36,22 +36,35 @@ def test_native_matches_reference(bits, group, sym, src, shape):
         assert st[2] == pytest.approx(ref[3][2], rel=1e-5)
 
 
-def test_vector_groups_equal_the_scalar_loops(monkeypatch):
-    """Groups of a multiple of 16 elements take the AVX-512 path where the compiler targets it
-    (-march=native): it writes the scalar loops' bytes, scales and zero points exactly, and the
-    same max |x̂ - x|, every scheme, with zeros, signed zeros, subnormals, infinities and NaN in
-    the table (the sums only reassociate). -DEQ_QUANT_SCALAR builds the loops alone."""
-    from embedq.kernels.build import LazyLibrary
+def _cpu_has(flag: str) -> bool:
     from pathlib import Path
-    lib = native.library()
     info = Path("/proc/cpuinfo")
-    if info.exists() and " avx512f " in info.read_text().replace("\n", " "):
-        assert lib.quant_vector() == 1  # -march=native on an AVX-512 CPU: the path is built
-    if not lib.quant_vector():
-        pytest.skip("the native quantizer has no AVX-512 path on this CPU (the scalar loops are the ones tested above)")
-    scalar = LazyLibrary("native_scalar", native.C_SOURCE, [*native.FLAGS, "-DEQ_QUANT_SCALAR"], ["-lm"],
-                         setup=native._signatures, label="native quantize (scalar loops)")
-    assert scalar.get() is not None and scalar.get().quant_vector() == 0, scalar.unavailable()
+    return info.exists() and f" {flag} " in info.read_text().replace("\n", " ")
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_vector_groups_equal_the_scalar_loops(build, monkeypatch):
+    """Groups of a multiple of the vector width take the AVX-512 (16) or AVX2 (8) path where
+    the compiler targets it (-march=native; ``avx2``: the same with -mno-avx512f, what an
+    AVX2-only CPU builds): each writes the scalar loops' bytes, scales and zero points exactly,
+    and the same max |x̂ - x|, every scheme, with zeros, signed zeros, subnormals, infinities
+    and NaN in the table (the sums only reassociate). -DEQ_QUANT_SCALAR builds the loops alone."""
+    from embedq.kernels.build import LazyLibrary
+
+    def lib_of(name, extra):
+        return LazyLibrary(name, native.C_SOURCE, [*native.FLAGS, *extra], ["-lm"], setup=native._signatures,
+                           label=f"native quantize ({name})").get()
+    if build == "native":
+        lib, width = native.library(), 16 if _cpu_has("avx512f") else 8 if _cpu_has("avx2") else 0
+    else:
+        if not _cpu_has("avx2"):
+            pytest.skip("this CPU has no AVX2 (the scalar loops are the ones tested above)")
+        lib, width = lib_of("native_avx2", ["-mno-avx512f"]), 8
+    if not _cpu_has("avx2") and not _cpu_has("avx512f"):
+        pytest.skip("no x86 vector path on this CPU (the scalar loops are the ones tested above)")
+    assert lib is not None and lib.quant_vector() == width  # the path under test is the one built
+    scalar = lib_of("native_scalar", ["-DEQ_QUANT_SCALAR"])
+    assert scalar is not None and scalar.quant_vector() == 0
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-45, 3e38])
     for src in (BF, F32):
         x = table(96, 640, src, seed=7)
@@ -62,10 +75,12 @@ def test_vector_groups_equal_the_scalar_loops(monkeypatch):
         x[7, 0] = float("inf")
         for (bits, group, sym), sd in itertools.product(SCHEMES, (BF, F16, F32)):
             g = Scheme.default(bits, sym, group if group else 0).effective_group(640)
-            got = native.quantize_pack(x, bits, g, sym, sd, True)
-            with monkeypatch.context() as m:
-                m.setattr(native, "LIBRARY", scalar)
-                want = native.quantize_pack(x, bits, g, sym, sd, True)
+            res = []
+            for one in (lib, scalar):
+                with monkeypatch.context() as m:
+                    m.setattr(native.LIBRARY, "get", lambda one=one: one)
+                    res.append(native.quantize_pack(x, bits, g, sym, sd, True))
+            got, want = res
             for a, b in zip(got[:3], want[:3]):
                 assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
                     (src, bits, g, sym, sd)
