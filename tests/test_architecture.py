@@ -141,7 +141,8 @@ def test_each_format_fact_defined_once(fact, pattern):
 def test_one_decoder_for_every_reader():
     """verify and every back end read overlays through embedq.format (reader / codec)."""
     readers = {"transformers": "embedq/backends/transformers", "vllm": "embedq/backends/vllm",
-               "onnx": "embedq/backends/onnx", "verify": "embedq/jobs/verify.py"}
+               "onnx": "embedq/backends/onnx", "gguf": "embedq/backends/gguf",
+               "verify": "embedq/jobs/verify.py"}
     for name, rel in readers.items():
         path = PKG.parent / rel
         srcs = [p.read_text() for p in (sorted(path.rglob("*.py")) if path.is_dir() else [path])]

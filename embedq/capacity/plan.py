@@ -12,7 +12,8 @@ The KV-cache side follows vLLM 0.33.0's own code (``vllm/v1/kv_cache_interface.p
    ``a·⌈state page / (a·one-token page)⌉`` (``a`` = kernel alignment, 16) and state
    pages are padded to the attention page;
 3. layers are grouped (one group per attention kind, a kind with n× more layers split
-   into n groups of the smallest kind's size); one block = the widest group's pages;
+   into n groups of the smallest kind's size, or of the largest kind's where the kinds
+   are within 1.5×); one block = the widest group's pages;
 4. ``num_blocks = available // bytes_per_block``; a max_model_len request takes
    ⌈per-request bytes / page⌉ blocks in every group; ``concurrency = num_blocks /
    blocks per request``; KV tokens = ``int(concurrency · max_model_len)``
@@ -22,9 +23,12 @@ The KV-cache side follows vLLM 0.33.0's own code (``vllm/v1/kv_cache_interface.p
 
 ``available`` is ``gpu_mem · gpu_memory_utilization − weights − reserve``; ``reserve``
 stands for what vLLM's profiling run finds besides weights (non-torch allowance,
-activation peak of one ``max_num_batched_tokens`` step, sampler logits; CUDA graphs not
-counted). Override it with ``reserve=`` when known: the *difference* the overlay makes
-does not depend on it. Weights are the checkpoint's tensor bytes on one GPU (no tensor
+activation peak of one ``max_num_batched_tokens`` step, sampler logits:
+:func:`estimate_reserve`). CUDA-graph memory is not in the estimate, although vLLM 0.33.0
+on CUDA profiles it and subtracts it by default (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``;
+not with ``--enforce-eager``): where it is known, pass a ``reserve=`` that includes it (a
+given reserve replaces the whole estimate). The *difference* the overlay makes does not
+depend on the reserve. Weights are the checkpoint's tensor bytes on one GPU (no tensor
 parallelism; a tied head counted once).
 
 The parts, each in its own module: :mod:`~embedq.capacity.layout` (what config.json says,
