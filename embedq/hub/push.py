@@ -186,8 +186,7 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     """Refuse a folder that is not a complete embedq checkpoint or bundle; return warnings."""
     from embedq.format.checkpoint import CONFIG_NAME, INDEX_NAME, check_config, index_weight_map, read_json
     from embedq.format.kept import check_settled
-    from embedq.format.reader import parse_overlay_config
-    from embedq.format.checkpoint import read_safetensors_header
+    from embedq.format.reader import check_overlay_header, parse_overlay_config
     if not folder.is_dir():
         raise EmbedqError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
     names = {p for p, _ in files}
@@ -200,9 +199,10 @@ def check_folder(folder: Path, files: list[tuple[str, int]]) -> list[str]:
     ovfile = folder / ovname
     if ovname not in names:
         raise EmbedqError(f"{ovfile}: overlay file missing; nothing to publish")
-    # The overlay is small next to the model: check every recorded checksum now
-    # rather than publish a corrupt table.
-    n, header = read_safetensors_header(ovfile)
+    # The overlay is small next to the model: check every recorded checksum now rather than
+    # publish a corrupt table, and its header as every reader does (an undeclared tensor,
+    # e.g. a float lm_head.weight vLLM's loader would take, is never published)
+    n, header = check_overlay_header(ovfile, qconfig)
     expected = {}
     for entry in qconfig.modules.values():
         entry.require_checksums(qconfig.where, "re-create the overlay before publishing")

@@ -234,3 +234,24 @@ def test_refuses_a_bundle_without_a_checksum(derive):
     qfile.write_text(json.dumps(qc))
     with pytest.raises(EmbedqError, match="no checksum recorded for .*re-create the overlay before publishing"):
         push(bundle, "me/x", dry_run=True)
+
+
+def test_refuses_an_overlay_with_an_undeclared_tensor(derive):
+    """push holds the overlay file's header to the config as every reader does: a tensor the
+    config does not declare (a float lm_head.weight, which vLLM's weight loader would take for
+    the head) is refused before anything is published, with the checksums all matching."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    _, bundle, _ = derive("qwen2_tied", overlay_only=True)
+    f = bundle / "embedq.safetensors"
+    with safe_open(str(f), "pt") as st:
+        tensors, meta = {k: st.get_tensor(k) for k in st.keys()}, st.metadata()
+    first = next(iter(tensors.values()))
+    save_file({**tensors, "lm_head.weight": first.float()}, str(f), metadata=meta)
+    before = snapshot(bundle)
+    r = CliRunner().invoke(app, ["push", str(bundle), "--repo-id", "me/x", "--dry-run"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "'lm_head.weight', which the config does not declare" in lines[0], r.output
+    assert snapshot(bundle) == before
+
