@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
                                                     help="Default: max_position_embeddings"),
         utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="vLLM's fraction"),
         reserve: Optional[str] = typer.Option(None, "--reserve", help="Activation + non-torch reserve "
-                                              "(default: estimated; e.g. 2GiB)"),
+                                              "(default: estimated, CUDA graphs not counted: vLLM "
+                                              "subtracts them by default; e.g. 2GiB)"),
         batched: int = typer.Option(8192, "--max-num-batched-tokens"),
         max_seqs: int = typer.Option(256, "--max-num-seqs"),
         weights_gib: Optional[str] = typer.Option(None, "--weights-gib", help="Float weight size (GiB, or "
