@@ -8,11 +8,12 @@ test would catch breaking. Each test names the claim it holds the code to.
 - security.md 0: no unpickling, no trust_remote_code (pinned on the source);
 - security.md 2: NaN/inf scales are refused by load_overlay and load, not only verify;
 - security.md 3: ``apply`` replaces only the base's own embedding/head tables;
-- security.md 9: ``verify`` holds each group to half a step (int8, symmetric, rtn);
+- security.md 9: ``verify`` holds each group to half a step (int8, symmetric, rtn), and its
+  bound is the documented one for every scheme, scale dtype and method;
 - security.md 10: ``push`` never uploads through a symlinked folder;
 - security.md 11: the lock file is emptied on release;
 - security.md 16 / usage.md Safety: a live pid's staging files are kept, a dead one's removed
-  and announced on one line.
+  and announced on one line; every in-place commit is stage beside, fsync, rename, fsync the folder.
 """
 
 from __future__ import annotations
@@ -281,6 +282,44 @@ def test_verify_fails_a_code_one_step_off(model_factory):
     assert k in error_line(out)
 
 
+@pytest.mark.parametrize("bits,symmetric,method,scale_dtype", [
+    (8, True, "rtn", "bfloat16"), (8, True, "rtn", "float16"), (8, True, "rtn", "float32"),
+    (4, True, "rtn", "bfloat16"), (8, False, "rtn", "bfloat16"), (4, False, "rtn", "float16"),
+    (8, True, "mse", "bfloat16"), (4, False, "mse", "bfloat16"), (8, True, "gptq", "bfloat16"),
+    (4, True, "gptq", "float32"),
+])
+def test_verify_error_bound_is_the_documented_one(bits, symmetric, method, scale_dtype):
+    """security.md 9, number by number: half a step (a whole step asymmetric and symmetric
+    4-bit), a step being amax/qmax (range/(2^b-1) asymmetric, amax/8 symmetric 4-bit), plus the
+    scale's rounding (a unit or two of its dtype, at least its smallest value); mse +amax/2,
+    gptq +2*amax. An oracle from the table's words, not from verify.py."""
+    from embedq.format.config import ModuleEntry, SourceRef
+    from embedq.format.scheme import Scheme
+    from embedq.jobs.verify import error_bound
+    eps = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23}[scale_dtype]
+    tiny = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24, "float32": 2.0 ** -149}[scale_dtype]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g, dtype=torch.float64) * 0.02
+    x[1] += 0.05  # all positive: the asymmetric range starts at 0
+    x[2] = 0  # a zero group: only the smallest value is left
+    entry = ModuleEntry("model.embed_tokens", Scheme(bits=bits, symmetric=symmetric, group_size=32, method=method,
+                                                    scale_dtype=scale_dtype),
+                        "embedding", (6, 64), SourceRef("model.embed_tokens.weight", None, None))
+    got = error_bound(x.float(), entry).double()  # [rows, groups]
+    xg = x.reshape(6, 2, 32)
+    amax = xg.abs().amax(-1)
+    if symmetric:
+        step = amax / (8 if bits == 4 else 127)
+    else:
+        step = (xg.amax(-1).clamp(min=0) - xg.amin(-1).clamp(max=0)) / ((1 << bits) - 1)
+    half = 1.0 if (bits == 4 or not symmetric) else 0.5
+    extra = {"rtn": 0.0, "mse": 0.5, "gptq": 2.0}[method] * amax
+    base = got - extra
+    assert bool((base >= half * step * (1 + eps / 2) + half * tiny * 0.99).all()), (base, half * step)
+    assert bool((base <= half * step * (1 + 4 * eps) + tiny + amax * 2.0 ** -18 + 1e-29).all()), (base, half * step)
+    assert bool((got[2] > 0).all())
+
+
 # --- security.md 10: push never uploads through a symlinked folder -----------------------------
 
 def test_push_skips_a_symlinked_folder_even_when_included(model_factory, tmp_path):
@@ -331,6 +370,79 @@ def test_staging_of_a_live_pid_is_kept_a_dead_ones_removed_and_announced(model_f
     finally:
         live.kill()
         live.wait()
+
+
+# --- security.md 16: every in-place commit is stage, fsync, rename, fsync the folder ------------
+
+def _commits(monkeypatch, fn) -> list[tuple]:
+    """The renames and fsyncs ``fn()`` makes, in order: ("replace", src, dst, src_is_link)
+    and ("fsync", path)."""
+    import embedq.format.staging  # noqa: F401  (its os is the one patched)
+    events: list[tuple] = []
+    real_replace, real_fsync = os.replace, os.fsync
+
+    def replace(src, dst, *a, **k):
+        events.append(("replace", Path(src), Path(dst), os.path.islink(src)))
+        return real_replace(src, dst, *a, **k)
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return events
+
+
+def _hold_to_the_staging_commit(events, folder: Path) -> int:
+    """Each rename into ``folder`` (or its .embedq/): from ``.<name>.embedq-partial-<pid>-<token>``
+    beside the destination, the staged file fsynced before it, the folder fsynced after it
+    (before the next rename). Returns how many renames were checked."""
+    import re
+    n = 0
+    for i, e in enumerate(events):
+        if e[0] != "replace" or e[2].parent.resolve() not in (folder.resolve(), (folder / ".embedq").resolve()):
+            continue
+        _, src, dst, link = e
+        n += 1
+        assert src.parent == dst.parent, e
+        assert re.fullmatch(rf"\.{re.escape(dst.name)}\.embedq-partial-{os.getpid()}-[0-9a-f]+", src.name), e
+        if not link:
+            assert ("fsync", src.resolve()) in events[:i], f"{src.name} renamed to {dst.name} unsynced"
+        later = events[i + 1:]
+        nxt = next((j for j, x in enumerate(later) if x[0] == "replace"), len(later))
+        assert ("fsync", dst.parent.resolve()) in later[:nxt], f"{dst}: folder not fsynced after the rename"
+    return n
+
+
+def test_in_place_verbs_commit_through_the_staging_protocol(model_factory, tmp_path, monkeypatch):
+    """quantize, apply and remove in place (and remove in a Hugging Face cache snapshot,
+    whose config.json and index come back as links): every file they put in the model folder
+    is staged beside it, fsynced, renamed, and the folder fsynced."""
+    src = model_factory("llama_untied_sharded")
+    bundle = tmp_path / "bundle"
+    embedq.quantize(src, 8, output=bundle, overlay_only=True, progress=False)
+    model = tmp_path / "m"
+    shutil.copytree(src, model)
+    for fn in (lambda: embedq.quantize(model, 8, progress=False), lambda: embedq.remove(model),
+               lambda: embedq.apply(model, bundle), lambda: embedq.quantize(model, 4, force=True, progress=False),
+               lambda: embedq.remove(model)):
+        assert _hold_to_the_staging_commit(_commits(monkeypatch, fn), model) >= 2
+    repo = tmp_path / "hub" / "models--me--m"
+    snap = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, repo / "blobs" / f.name)
+        (snap / f.name).symlink_to(Path("../..") / "blobs" / f.name)
+    embedq.quantize(snap, 8, progress=False)
+    events = _commits(monkeypatch, lambda: embedq.remove(snap))
+    assert sum(1 for e in events if e[0] == "replace" and e[3]) == 2  # config.json, the index: links
+    assert _hold_to_the_staging_commit(events, snap) == 2
+    assert (snap / "config.json").is_symlink() and (snap / "model.safetensors.index.json").is_symlink()
 
 
 # --- usage.md, Bad input: "line breaks in a path are escaped" ---------------------------------

@@ -65,16 +65,24 @@ def test_a_folder_where_the_overlay_goes(model_factory, bundle, name):
     one_error(*cli("apply", base, "--overlay", bundle), str(base / name), "not a regular file")
     assert tree(base) == before  # no .embedq/ (backup, lock) left behind
     one_error(*cli("quantize", base, "--bits", "8", "-q", "--force"), str(base / name))
+    one_error(*cli("remove", base), "no embedq overlay to remove")
     assert tree(base) == before
 
 
-def test_link_out_of_the_folder_where_the_config_goes(model_factory, bundle, tmp_path):
+@pytest.mark.parametrize("name", ["embedq.safetensors", "quantization_config.json"])
+def test_link_out_of_the_folder_where_the_overlay_goes(model_factory, bundle, tmp_path, name):
+    """A link leading out of the folder at either name: apply and quantize refuse before any
+    backup; remove leaves the link (and what it points at) alone and says there is no overlay."""
     base = model_factory(KIND)
-    (tmp_path / "elsewhere.json").write_text('{"quant_method": "embedq"}')
-    (base / "quantization_config.json").symlink_to(tmp_path / "elsewhere.json")
+    target = tmp_path / "elsewhere"
+    target.write_text('{"quant_method": "embedq"}')
+    (base / name).symlink_to(target)
     before = tree(base)
-    one_error(*cli("apply", base, "--overlay", bundle), "a link out of the folder")
-    assert tree(base) == before
+    one_error(*cli("apply", base, "--overlay", bundle), str(base / name), "a link out of the folder")
+    one_error(*cli("quantize", base, "--bits", "8", "-q"), str(base / name), "a link out of the folder")
+    one_error(*cli("remove", base), "no embedq overlay to remove")
+    assert tree(base) == before and (base / name).is_symlink()
+    assert target.read_text() == '{"quant_method": "embedq"}'
 
 
 def test_a_failed_commit_restores_the_old_tree(model_factory, bundle, monkeypatch):

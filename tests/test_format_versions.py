@@ -78,6 +78,21 @@ def test_format1_bundle_applies_and_verifies(tmp_path):
     embedq.verify(base)
 
 
+def test_format1_bundle_with_a_changed_tensor_is_not_applied(tmp_path):
+    """apply checks each copied tensor against its recorded digest, sha256 in format 1: one
+    flipped bit of the bundle's data is refused, the base unchanged (no backup, no overlay)."""
+    base, bundle = tmp_path / "base", tmp_path / "bundle"
+    shutil.copytree(DATA / "base", base)
+    shutil.copytree(DATA / "bundle-q4-g32-asym", bundle)
+    raw = bytearray((bundle / "embedq.safetensors").read_bytes())
+    raw[-20] ^= 1  # one bit of the last tensor's data
+    (bundle / "embedq.safetensors").write_bytes(bytes(raw))
+    before = sorted(p.name for p in base.iterdir())
+    with pytest.raises(OverlayError, match="does not match its recorded checksum"):
+        embedq.apply(base, bundle)
+    assert sorted(p.name for p in base.iterdir()) == before
+
+
 def test_format1_bundle_refuses_another_base(tmp_path):
     from embedq.format.checkpoint import Checkpoint
     base = tmp_path / "base"

@@ -54,8 +54,9 @@ def _state_dir(path: Path) -> Path:
 
 
 def _read_nofollow(p: Path) -> bytes:
-    """Bytes of a regular file, never through a link."""
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Bytes of a regular file, never through a link (nor a FIFO: O_NONBLOCK opens one
+    without waiting for a writer, and fstat refuses it)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BACKUP_BYTES:
@@ -248,6 +249,7 @@ def _restore_one(path: Path, name: str, data: bytes, link: str | None) -> None:
                 tmp.unlink()
             os.symlink(link, tmp)
             os.replace(tmp, target)
+            staging.fsync_dir(path)
             return
     if target.is_symlink() or not target.exists() or inside(path, name).read_bytes() != data:
         write_bytes_atomic(target, data)
@@ -272,11 +274,14 @@ def _restore(path: Path, backup: dict[str, bytes], links: dict[str, str] | None 
 
 def _ours(path: Path, name: str) -> bool:
     """Whether ``path/name`` (the overlay or its config) is a file embedq may delete: a
-    regular file or link, and for ``quantization_config.json`` one whose quant_method is
-    embedq's (another tool's file of that name is never touched)."""
+    regular file or a link staying in the folder (a link out of it is never embedq's), and for
+    ``quantization_config.json`` one whose quant_method is embedq's (another tool's file of
+    that name is never touched)."""
     p = path / name
     if not p.is_symlink() and not p.is_file():
         return False  # absent, or a folder someone else made
+    if p.is_symlink() and not stays_inside(path, p):
+        return False  # a link out of the folder: not embedq's (check_slots refuses it)
     if name != QCONFIG_NAME:
         return True
     try:  # read only inside the folder (a HF snapshot's link to its blob is fine)

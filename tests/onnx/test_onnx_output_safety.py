@@ -64,6 +64,32 @@ def test_genai_force_replaces_only_an_earlier_output(inputs, tmp_path):
     assert r.returncode == 0 and is_genai_output(inplace), r.stderr
 
 
+def test_genai_folder_reads_stay_inside(inputs, tmp_path):
+    """docs/security.md 14: a genai folder is read (and copied into OUT) whole, so a link in it
+    leading out, or a decoder named outside it, is refused before anything is read or written."""
+    _, fpath, ov = inputs
+    src = _genai(fpath, tmp_path / "g")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tokenizer.json").write_text('{"secret": true}')
+    shutil.copy(src / "model.onnx", elsewhere / "model.onnx")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(elsewhere / "tokenizer.json")
+    before, outside = tree(src), tree(elsewhere)
+    one_error_line(run("onnx", "patch", src, "--overlay", ov, "-o", tmp_path / "o1"), "tokenizer.json",
+                   "link leading out")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").write_text("{}")
+    for decoder in ("../elsewhere/model.onnx", str(elsewhere / "model.onnx")):
+        (src / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": decoder}}}))
+        one_error_line(run("onnx", "patch", src, "--overlay", ov, "-o", tmp_path / "o2"),
+                       str(src / "genai_config.json"), "decoder")
+    assert tree(elsewhere) == outside
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert {k: v for k, v in tree(src).items() if k not in ("tokenizer.json", "genai_config.json")} == \
+        {k: v for k, v in before.items() if k not in ("tokenizer.json", "genai_config.json")}
+
+
 def test_new_output_leaves_unrelated_data_files(inputs, tmp_path):
     _, fpath, ov = inputs
     o2 = tmp_path / "o2"

@@ -65,6 +65,37 @@ def test_dry_run_lists_exactly_the_files(derive):
     assert (out / "README.md").read_text().count("me/llama-int8") == 0  # dry run wrote nothing
 
 
+def test_select_files_what_a_model_repository_needs_and_never_more(tmp_path):
+    """docs/security.md 10: weights + index, configs, tokenizer files, card, licence, overlay
+    and ONNX files go; anything else only through --include; dotfiles, temporary files, a
+    symlinked folder and a link out of the folder never, whatever --include says."""
+    f = tmp_path / "m"
+    (f / "onnx").mkdir(parents=True)
+    wanted = ["model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json",
+              "generation_config.json", "quantization_config.json", "embedq.safetensors", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "README.md", "LICENSE", "model.onnx",
+              "model.onnx_data", "onnx/decoder.onnx"]
+    other = ["notes.txt", "train.py", "optimizer.pt"]
+    never = [".gitattributes", ".env", "model.safetensors.tmp", "x.safetensors.partial",
+             "pytorch_model.bin.incomplete", "config.json.lock", ".cache/huggingface/x.json"]
+    for n in wanted + other + never:
+        (f / n).parent.mkdir(parents=True, exist_ok=True)
+        (f / n).write_text(n)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key.json").write_text("token")
+    (f / "vocab.json").symlink_to(secret / "key.json")  # an allowed name leading out
+    (f / "linked").symlink_to(secret, target_is_directory=True)
+    files, skipped = select_files(f)
+    assert sorted(p for p, _ in files) == sorted(wanted)
+    assert "vocab.json (a link out of the folder)" in skipped and "linked/ (symlinked folder)" in skipped
+    files, skipped = select_files(f, include=["*", ".*", "*/*", "**"])
+    assert sorted(p for p, _ in files) == sorted(wanted + other)
+    for n in never:
+        assert not any(p == n or p.startswith(n.split("/")[0] + "/") for p, _ in files), n
+    assert "vocab.json (a link out of the folder)" in skipped and "linked/ (symlinked folder)" in skipped
+
+
 def test_dry_run_overlay_bundle_and_text(derive):
     _, out, _ = derive("qwen2_tied", bits=4, overlay_only=True, base_model="Qwen/Qwen2-0.5B",
                        base_revision="d" * 40)

@@ -126,6 +126,43 @@ def test_journal_file_not_recorded_is_not_put_back(model_factory, tmp_path):
     assert tree(m) == tree(model_factory(KIND))
 
 
+def test_journal_naming_another_file_is_dropped(model_factory, tmp_path):
+    """A journal may name only the four files an overlay commit changes: one that also names
+    a shard (its recorded inode a file planted in ``previous/``) is dropped whole, with the
+    line saying so, and the shard is never replaced."""
+    m = _overlaid(model_factory, tmp_path)
+    shard = sorted(p.name for p in m.glob("model-*.safetensors"))[0]
+    prev = m / ".embedq" / "previous"
+    prev.mkdir()
+    (prev / shard).write_bytes(b"planted weights")
+    files = {n: list((lambda st: [st.st_dev, st.st_ino, st.st_size])(os.lstat(m / n)))
+             for n in ("config.json", "quantization_config.json", "embedq.safetensors")}
+    st = os.lstat(prev / shard)
+    files[shard] = [st.st_dev, st.st_ino, st.st_size]
+    (prev / "journal.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    before = tree(m)[shard]
+    r = embedq("remove", m)
+    assert r.returncode == 0, r.stderr
+    assert "not put back" in r.stderr and "is back" not in r.stderr, r.stderr
+    assert tree(m)[shard] == before
+    assert tree(m) == tree(model_factory(KIND))
+
+
+def test_previous_without_a_journal_is_dropped_silently(model_factory, tmp_path):
+    """A ``previous/`` holding no journal (a run killed while keeping, before anything was
+    switched) is deleted unused and without a line; its files are never put back."""
+    m = _overlaid(model_factory, tmp_path)
+    prev = m / ".embedq" / "previous"
+    prev.mkdir()
+    (prev / "config.json").write_text('{"model_type": "forged"}')
+    before = {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")}
+    r = embedq("quantize", m, "-q", "--lm-head", "--bits", "8")  # refused: an overlay is there
+    assert r.returncode == 2 and "already has an embedq overlay" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and ".embedq/previous" not in r.stderr, r.stderr
+    assert not os.path.lexists(prev)
+    assert {k: v for k, v in tree(m).items() if not k.startswith(".embedq/")} == before
+
+
 def test_a_file_slipped_into_previous_never_costs_the_put_back_config(model_factory, tmp_path):
     """Recovery half done (the old quantization_config.json already put back), then a file
     placed at previous/quantization_config.json that the journal did not record: the put-back

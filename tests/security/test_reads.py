@@ -64,7 +64,8 @@ def test_index_shard_outside_the_folder_is_refused(victim):
     shutil.move(v / shard, v.parent / "outside" / shard)
     _point_index(v, index, shard, f"../outside/{shard}")
     line = _refused_everywhere(v, str(v / INDEX), "model.embed_tokens.weight", f"../outside/{shard}")
-    assert "outside" in line and line.count("\n") == 0
+    assert line.startswith(f"embedq: error: {v / INDEX}: weight_map entry 'model.embed_tokens.weight': "
+                           f"'../outside/{shard}' climbs out with '..'; "), line
 
 
 def test_index_absolute_shard_is_refused(victim, tmp_path):
@@ -141,6 +142,48 @@ def test_tokenizer_or_generation_config_link_out_refused_before_transformers(mod
         (q / name).unlink()
 
 
+def test_load_refuses_an_index_entry_leading_out(victim, tmp_path):
+    """``embedq.load`` hands the folder to transformers, which opens every shard the index
+    names: each entry is checked first (not only the ones embedq reads itself)."""
+    v, index = victim
+    embedq.quantize(v, 8, progress=False)
+    index = json.loads((v / INDEX).read_text())
+    shard = index["weight_map"]["model.norm.weight"]  # no target of embedq's
+    (v.parent / "outside").mkdir()
+    shutil.copy(v / shard, v.parent / "outside" / shard)
+    index["weight_map"]["model.norm.weight"] = f"../outside/{shard}"
+    (v / INDEX).write_text(json.dumps(index))
+    with pytest.raises(UnsafePathError, match=r"weight_map entry 'model.norm.weight'.*climbs out"):
+        embedq.load(v)
+
+
+def test_calibration_refuses_a_link_out_before_transformers(model_factory, tmp_path):
+    """``--method gptq`` runs the float model on calibration text (transformers reads the
+    tokenizer files by name): a tokenizer file linking out is refused first."""
+    q = model_factory("llama_untied_fp32")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"stolen": true}')
+    (q / "tokenizer_config.json").symlink_to(secret)
+    before = tree(q)
+    assert_refused(run_cli("quantize", q, "--method", "gptq", "--lm-head", "-q"), "tokenizer_config.json",
+                   "link leading out")
+    assert tree(q) == before
+
+
+def test_onnx_export_refuses_a_link_out_before_transformers(model_factory, tmp_path):
+    pytest.importorskip("onnxscript")
+    q = model_factory("llama_untied_fp32")
+    embedq.quantize(q, 8, progress=False)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"stolen": true}')
+    (q / "generation_config.json").unlink(missing_ok=True)
+    (q / "generation_config.json").symlink_to(secret)
+    before = tree(q)
+    out = tmp_path / "out" / "model.onnx"
+    assert_refused(run_cli("onnx", "export", q, "-o", out), "generation_config.json", "link leading out")
+    assert tree(q) == before and not out.exists()
+
+
 def test_bundle_overlay_link_out_refused(model_factory, tmp_path):
     q = model_factory("qwen2_tied")
     bundle = tmp_path / "bundle"
@@ -202,12 +245,13 @@ def _hf_cache(src: Path, root: Path, name: str = "models--org--tiny", rev: str =
 
 def test_hf_cache_snapshot_links_into_blobs_work(model_factory, tmp_path):
     blobs, snap = _hf_cache(model_factory("llama_untied_sharded"), tmp_path)
-    before = tree(blobs)
+    before, links = tree(blobs), tree(snap)
     code, out, exc = run_cli("quantize", snap, "--bits", "8", "-q")
     assert code == 0, (out, exc)
     assert run_cli("verify", snap)[0] == 0
     assert run_cli("remove", snap)[0] == 0
     assert tree(blobs) == before
+    assert tree(snap) == links  # config.json and the index are the same links into blobs/ again
     # reached through a link to the snapshot folder (a user's shortcut), too
     os.symlink(snap, tmp_path / "shortcut")
     assert run_cli("inspect", tmp_path / "shortcut")[0] == 0

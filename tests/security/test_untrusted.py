@@ -59,6 +59,44 @@ def test_1_backup_through_a_link_is_refused(qwen, tmp_path):
     assert tree(qwen) == before and "stolen" not in (qwen / "config.json").read_text()
 
 
+def test_1_state_json_names_only_the_two_backed_up_files(qwen):
+    """A name inside the folder is refused too: only config.json and the index are restored."""
+    embedq.quantize(qwen, 8, progress=False)
+    st = qwen / ".embedq" / "state.json"
+    st.write_text(json.dumps({"files": ["config.json", "model.safetensors"], "format_version": 1}))
+    (qwen / ".embedq" / "model.safetensors").write_bytes(b"planted weights")
+    before = tree(qwen)
+    assert_refused(run_cli("remove", qwen), "state.json", "model.safetensors", "backs up only")
+    assert tree(qwen) == before
+
+
+def test_1_backup_that_is_a_fifo_is_refused_without_waiting(qwen):
+    """Backups are read as regular files only: a FIFO (which a plain open would wait on
+    forever for a writer) is one error line, in a real process with a timeout."""
+    embedq.quantize(qwen, 8, progress=False)
+    (qwen / ".embedq" / "config.json").unlink()
+    os.mkfifo(qwen / ".embedq" / "config.json")
+    before = tree(qwen)
+    r = cli_subprocess("remove", qwen, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("embedq: error:") and "not a backup embedq wrote" in r.stderr, r.stderr
+    assert tree(qwen) == before
+
+
+def test_1_state_folder_that_is_a_link_is_refused(qwen, tmp_path):
+    """``.embedq`` itself must not be a link: its backups would be read (and its lock and
+    state written) wherever it leads."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text('{"stolen": true}')
+    (elsewhere / "state.json").write_text(json.dumps({"files": ["config.json"], "format_version": 1}))
+    (qwen / ".embedq").symlink_to(elsewhere, target_is_directory=True)
+    before, outside = tree(qwen), tree(elsewhere)
+    for args in (("remove", qwen), ("quantize", qwen, "-q")):
+        assert_refused(run_cli(*args), str(qwen / ".embedq"), "a link")
+    assert tree(qwen) == before and tree(elsewhere) == outside
+
+
 def test_1_failing_quantize_with_planted_backup_restores_nothing_foreign(llama):
     """A planted backup index ``{}`` (KeyError 'weight_map' before) does not match the
     disk: it is ignored, the current files are backed up, remove restores them."""
@@ -80,10 +118,13 @@ def test_1_failing_quantize_with_planted_backup_restores_nothing_foreign(llama):
 
 # --- 2. --output PARENT_OF_SRC --force deletes the source ------------------------------
 
-@pytest.mark.parametrize("where", ["parent", "inside", "grandparent"])
+@pytest.mark.parametrize("where", ["same", "link to it", "parent", "inside", "grandparent"])
 def test_2_output_never_holds_or_sits_in_the_source(qwen, where):
     (qwen.parent / "sibling.txt").write_text("keep me")
-    out = {"parent": qwen.parent, "inside": qwen / "out", "grandparent": qwen.parent.parent}[where]
+    if where == "link to it":
+        (qwen.parent / "alias").symlink_to(qwen, target_is_directory=True)
+    out = {"same": qwen, "link to it": qwen.parent / "alias", "parent": qwen.parent, "inside": qwen / "out",
+           "grandparent": qwen.parent.parent}[where]
     before = tree(qwen.parent)
     assert_refused(run_cli("quantize", qwen, "--output", out, "--force", "-q"), "source folder")
     assert tree(qwen.parent) == before
@@ -127,6 +168,19 @@ def test_3_stale_backup_never_reverts_a_newer_config(qwen):
     assert "stale backup" in out
     assert run_cli("remove", qwen)[0] == 0
     assert (qwen / "config.json").read_bytes() == newer
+
+
+def test_3_stale_index_backup_is_never_restored(llama):
+    """Likewise the index: one changed after the backup (beyond the overlay's entries) makes
+    the backup stale; remove keeps the newer index and config."""
+    embedq.quantize(llama, 8, progress=False)
+    ip = llama / "model.safetensors.index.json"
+    index = json.loads(ip.read_text())
+    index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + 1  # a new revision
+    ip.write_text(json.dumps(index))
+    before = tree(llama)
+    assert_refused(run_cli("remove", llama), "does not match", "model.safetensors.index.json was changed")
+    assert tree(llama) == before
 
 
 # --- 5. an embedding overlay replaces other weights ------------------------------------
@@ -330,7 +384,7 @@ def test_7_non_finite_source_row_is_refused(qwen, value, word):
     assert not (qwen.parent / "o").exists()
 
 
-@pytest.mark.parametrize("how", ["nan", "inf", "x1000"])
+@pytest.mark.parametrize("how", ["nan", "inf", "x1000", "reconstructs to inf"])
 def test_7_tampered_scales_fail_verify(qwen, how):
     embedq.quantize(qwen, 8, progress=False)
     k = "model.embed_tokens.weight_scale"
@@ -338,6 +392,8 @@ def test_7_tampered_scales_fail_verify(qwen, how):
     def f(t):
         if how == "x1000":
             t[k] = t[k] * 1000
+        elif how == "reconstructs to inf":  # a finite bf16 scale whose codes overflow float32
+            t[k][5, 0] = 3e38
         else:
             t[k][5, 0] = float(how)
     tamper_overlay(qwen, f)
@@ -405,6 +461,9 @@ def test_9_second_run_is_told_who_holds_the_lock(qwen):
         line = assert_refused(run_cli("quantize", qwen, "-q"), "another embedq run", f"pid {os.getpid()}")
         assert "test" in line
         assert_refused(run_cli("remove", qwen), "another embedq run")
+        bundle = qwen.parent / "lock-bundle"
+        embedq.quantize(qwen, 8, output=bundle, overlay_only=True, progress=False)  # reads only
+        assert_refused(run_cli("apply", qwen, "--overlay", bundle), "another embedq run", f"pid {os.getpid()}")
     assert tree(qwen) == before  # the lock leaves nothing behind
 
 

@@ -344,6 +344,30 @@ def test_compressed_tensors_config_refusals():
         ev.compressed_tensors_config(dict(base, base_quantization_config={"quant_method": "fp8"}))
 
 
+def test_from_config_runs_the_one_parse():
+    """docs/security.md row 1: vLLM's ``EmbedqConfig.from_config`` refuses what
+    ``format.config.parse_config`` refuses, with its message (the file named)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    good = {"quant_method": "embedq", "format_version": 1, "aliases": {},
+            "tie_word_embeddings": False, "base_quantization_config": None,
+            "modules": {"model.embed_tokens": {"num_bits": 8, "type": "int", "symmetric": True,
+                                               "strategy": "channel", "group_size": None,
+                                               "scale_dtype": "bfloat16", "shape": [8, 64],
+                                               "source": {"tensor": "model.embed_tokens.weight"}}}}
+    bits = json.loads(json.dumps(good))
+    bits["modules"]["model.embed_tokens"]["num_bits"] = 2
+    other = json.loads(json.dumps(good))
+    other["modules"] = {"model.layers.0.mlp.down_proj": dict(
+        other["modules"]["model.embed_tokens"], role="head",
+        source={"tensor": "model.layers.0.mlp.down_proj.weight"})}
+    with set_current_vllm_config(VllmConfig()):
+        assert type(ev.EmbedqConfig.from_config(good)) is ev.EmbedqConfig
+        with pytest.raises(ValueError, match=r"quantization_config.json: module model.embed_tokens: num_bits"):
+            ev.EmbedqConfig.from_config(bits)
+        with pytest.raises(ValueError, match=r"module model.layers.0.mlp.down_proj has role 'head' but is not"):
+            ev.EmbedqConfig.from_config(other)
+
+
 def test_mtp_alias_shares_the_owner_table():
     """``aliases`` for an MTP/draft embedding: built in the same model it shares the owner's
     parameters; built alone (a separate draft model) it gets its own quantized parameters
