@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from embedq.errors import OverlayError, UnsafePathError
@@ -23,7 +24,15 @@ def read_json(path: str | os.PathLike, error: type = OverlayError, *, max_bytes:
     ``error`` naming ``path``."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        # O_NONBLOCK: a FIFO (or a device) at the name opens without waiting for a writer and is
+        # refused below, where a plain open() waited forever (regular files ignore the flag)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(mode):
+                raise error(f"{p}: not a regular file (a FIFO, device or socket); refusing to read it")
             data = f.read() if max_bytes is None else f.read(max_bytes)
             if max_bytes is not None and f.read(1):
                 raise error(f"{p}: too large for a {what}")

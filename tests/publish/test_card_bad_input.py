@@ -80,17 +80,17 @@ def _garble(q, kind: str, monkeypatch) -> None:
     elif kind == "permission denied":
         q.write_text("{}")
         q.chmod(0)
-        # root opens a mode-0 file anyway: refuse the open as the kernel would for others
-        import builtins
-
+        # root opens a mode-0 file anyway: refuse the open (the JSON reader's os.open) as the
+        # kernel would for others
         import embedq.format.files as files
+        real_open = files.os.open
 
-        def denying_open(path, *a, **kw):
+        def denying_open(path, flags, *a, **kw):
             if str(path) == str(q):
                 raise PermissionError(13, "Permission denied", str(path))
-            return builtins.open(path, *a, **kw)
+            return real_open(path, flags, *a, **kw)
 
-        monkeypatch.setattr(files, "open", denying_open, raising=False)
+        monkeypatch.setattr(files.os, "open", denying_open)
     else:
         q.write_text({"not JSON": "{nope", "empty": "", "a list": "[1, 2]", "a string": '"embedq"',
                       "NaN": '{"format_version": NaN}', "not an embedq config": '{"modules": {}}'}[kind])

@@ -313,3 +313,15 @@ def test_onnx_external_data_in_an_hf_cache_snapshot(model_factory, tmp_path):
     os.symlink(os.path.relpath(other / os.listdir(other)[0], snap), snap / "data.bin")
     assert_refused(run_cli("onnx", "patch", snap / "model.onnx", "--overlay", bundle, "--output",
                            tmp_path / "q2.onnx"), "external data location 'data.bin'")
+
+
+def test_a_fifo_at_config_json_is_refused_not_waited_on(model_factory, tmp_path):
+    """A FIFO (or device) at a JSON name the folder holds: every reader refuses it at once with
+    one line, where a plain open() waited forever for a writer (inspect, quantize, verify)."""
+    from faultutil import embedq, one_error_line
+    model = shutil.copytree(model_factory("qwen2_tied"), tmp_path / "m")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    for verb in (("inspect", model), ("quantize", model, "-q"), ("verify", model)):
+        r = embedq(*verb, timeout=60)  # a hang is a TimeoutExpired: a failure, not a stuck suite
+        one_error_line(r, str(model / "config.json"))
