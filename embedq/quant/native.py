@@ -53,6 +53,13 @@ static inline float bitsf(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
 static inline int32_t okey(uint32_t w) { return (int32_t)w >= 0 ? (int32_t)w : (int32_t)(w ^ 0x7fffffffu); }
 static inline uint32_t unkey(int32_t k) { return k >= 0 ? (uint32_t)k : ((uint32_t)k ^ 0x7fffffffu); }
 
+/* Group min / max back from their order keys (okey); NaN in both where either is NaN. */
+static inline void keys_range(int32_t lo, int32_t hi, float* a, float* b) {
+    float fl = bitsf(unkey(lo)), fh = bitsf(unkey(hi));
+    int nan = fl != fl || fh != fh;
+    *a = nan ? NAN : fl; *b = nan ? NAN : fh;
+}
+
 /* Per group: max |x| (sym: a) or min (a) and max (b) (asym). Integer compares on the
    float bits: exact, vectorized, and NaN propagates like torch.amax/amin. */
 void range_bits(const uint32_t* w, int64_t ngroups, int64_t g, int asym, float* a, float* b) {
@@ -65,9 +72,7 @@ void range_bits(const uint32_t* w, int64_t ngroups, int64_t g, int asym, float* 
         } else {
             int32_t lo = INT32_MAX, hi = INT32_MIN;
             for (int64_t i = 0; i < g; i++) { int32_t v = okey(p[i]); lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
-            float fl = bitsf(unkey(lo)), fh = bitsf(unkey(hi));
-            int nan = fl != fl || fh != fh;
-            a[k] = nan ? NAN : fl; b[k] = nan ? NAN : fh;
+            keys_range(lo, hi, a + k, b + k);
         }
     }
 }
@@ -81,9 +86,7 @@ void range_bf16(const uint16_t* x, int64_t ngroups, int64_t g, int asym, float* 
         } else {
             int32_t lo = INT32_MAX, hi = INT32_MIN;
             for (int64_t i = 0; i < g; i++) { int32_t v = okey((uint32_t)p[i] << 16); lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
-            float fl = bitsf(unkey(lo)), fh = bitsf(unkey(hi));
-            int nan = fl != fl || fh != fh;
-            a[k] = nan ? NAN : fl; b[k] = nan ? NAN : fh;
+            keys_range(lo, hi, a + k, b + k);
         }
     }
 }
@@ -164,9 +167,7 @@ static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a
         lo = _mm512_min_epi32(lo, k);
         hi = _mm512_max_epi32(hi, k);
     }
-    float fl = bitsf(unkey(_mm512_reduce_min_epi32(lo))), fh = bitsf(unkey(_mm512_reduce_max_epi32(hi)));
-    int nan = fl != fl || fh != fh;
-    *a = nan ? NAN : fl; *b = nan ? NAN : fh;
+    keys_range(_mm512_reduce_min_epi32(lo), _mm512_reduce_max_epi32(hi), a, b);
 }
 static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
                           int bits, uint8_t* restrict o, int stats, __m512i* mx, float* gse, float* gsr) {
@@ -236,9 +237,7 @@ static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a
         lo = _mm256_min_epi32(lo, k);
         hi = _mm256_max_epi32(hi, k);
     }
-    float fl = bitsf(unkey(_mm_cvtsi128_si32(fold(lo, 1)))), fh = bitsf(unkey(_mm_cvtsi128_si32(fold(hi, 2))));
-    int nan = fl != fl || fh != fh;
-    *a = nan ? NAN : fl; *b = nan ? NAN : fh;
+    keys_range(_mm_cvtsi128_si32(fold(lo, 1)), _mm_cvtsi128_si32(fold(hi, 2)), a, b);
 }
 static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
                           int bits, uint8_t* restrict o, int stats, __m256i* mx, float* gse, float* gsr) {
