@@ -1,6 +1,7 @@
 """The native quantizer's vector paths (C, part of :data:`embedq.quant.native_src.C_SOURCE`):
 AVX-512 and AVX2 bodies for groups of a multiple of the vector width, with the scalar loops'
-IEEE operations lane by lane, so the same bytes. Twins by ISA, as ggml's per-ISA code is."""
+IEEE operations lane by lane, so the same bytes; groups of <= 128 elements in batches of 16
+(AVX-512) or 8 (AVX2). Twins by ISA, as ggml's per-ISA code is."""
 
 from __future__ import annotations
 
@@ -228,15 +229,15 @@ static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a
     }
     keys_range(_mm_cvtsi128_si32(fold(lo, 1)), _mm_cvtsi128_si32(fold(hi, 2)), a, b);
 }
-static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
-                          int bits, uint8_t* restrict o, int stats, __m256i* mx, float* gse, float* gsr) {
+static inline void vgroup_acc(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax,
+                              float off, int bits, uint8_t* restrict o, int stats, __m256i* mx, __m256* vse, __m256* vsr) {
     const __m256 vsc = _mm256_set1_ps(sc), vz = _mm256_set1_ps(z), vmin = _mm256_set1_ps(qmin),
                  vmax = _mm256_set1_ps(qmax), voff = _mm256_set1_ps(off);
     const __m256i abs = _mm256_set1_epi32(0x7fffffff), low = _mm256_set1_epi64x(0xff);
     /* byte 0 and 8 of each 128-bit lane to its bytes 0 and 1 */
     const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256 se = _mm256_setzero_ps(), sr = _mm256_setzero_ps();
+    __m256 se = *vse, sr = *vsr;
     for (int64_t i = 0; i < g; i += 8) {
         __m256 v = _mm256_castsi256_ps(vload(p, isbf, i));
         __m256 t = _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(v, vsc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
@@ -259,15 +260,133 @@ static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z,
             sr = _mm256_add_ps(sr, _mm256_mul_ps(v, v));
         }
     }
+    *vse = se; *vsr = sr;
+}
+static inline void vgroup(const void* p, int isbf, int64_t g, float sc, float z, float qmin, float qmax, float off,
+                          int bits, uint8_t* restrict o, int stats, __m256i* mx, float* gse, float* gsr) {
+    __m256 se = _mm256_setzero_ps(), sr = _mm256_setzero_ps();
+    vgroup_acc(p, isbf, g, sc, z, qmin, qmax, off, bits, o, stats, mx, &se, &sr);
     if (stats) { *gse += hsum(se); *gsr += hsum(sr); }
 }
+
+/* 8 groups at a time, as the AVX-512 batches (one tree for their ranges, their scales in one vector). */
+#define QB 8
+#define QB_MAX_GROUP 128 /* <= 128 addends per lane in a batch's float sums */
+static const int32_t tree_order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+#define TREE(NAME, OP)                                                                           \
+static inline __m256i NAME(const __m256i* v) {  /* lane j: OP over the 8 lanes of v[j] */        \
+    __m256i w[4], u[2];                                                                          \
+    for (int i = 0; i < 4; i++)  /* low half: v[2i] halved, high half: v[2i+1] */                \
+        w[i] = OP(_mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x20),                       \
+                  _mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x31));                      \
+    for (int i = 0; i < 2; i++)  /* half h: lanes 0-1 group 4i+h, 2-3 group 4i+2+h */            \
+        u[i] = OP(_mm256_unpacklo_epi64(w[2 * i], w[2 * i + 1]), _mm256_unpackhi_epi64(w[2 * i], w[2 * i + 1])); \
+    __m256 a = _mm256_castsi256_ps(u[0]), b = _mm256_castsi256_ps(u[1]);                         \
+    __m256i r = OP(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)),                          \
+                   _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xdd)));  /* lane 4h+t: group 2t+h */ \
+    return _mm256_permutevar8x32_epi32(r, _mm256_loadu_si256((const __m256i*)tree_order));       \
+}
+TREE(tree_max_epu32, _mm256_max_epu32)
+TREE(tree_min_epi32, _mm256_min_epi32)
+TREE(tree_max_epi32, _mm256_max_epi32)
+/* group_scale for 8 groups (lane j: group k0+j); float16 scales per lane. */
+static inline void vscales(const float* a, const float* b, int asym, int smax, int bits, int kind, float qmin,
+                           float qmax, void* s_out, int8_t* zp_out, int64_t k0, float* sc, float* z) {
+    if (kind == 2) {
+        for (int j = 0; j < QB; j++) { z[j] = 0.0f; sc[j] = group_scale(a[j], b[j], asym, smax, bits, kind, qmin, qmax, s_out, zp_out, k0 + j, z + j); }
+        return;
+    }
+    const __m256 A = _mm256_loadu_ps(a), B = _mm256_loadu_ps(b), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    __m256 in, lo = zero;
+    if (!asym) {
+        __m256 m = A;  /* smax: -a > b ? a : b */
+        if (smax) m = _mm256_blendv_ps(B, A, _mm256_cmp_ps(_mm256_xor_ps(A, _mm256_set1_ps(-0.0f)), B, _CMP_GT_OQ));
+        __m256 scale = _mm256_div_ps(m, _mm256_set1_ps(smax ? qmin : qmax));
+        in = _mm256_blendv_ps(one, scale, _mm256_cmp_ps(m, zero, _CMP_NEQ_OQ));  /* m > 0 || m < 0 */
+    } else {
+        lo = _mm256_blendv_ps(A, zero, _mm256_cmp_ps(A, zero, _CMP_GT_OQ));  /* a > 0 ? 0 : a */
+        __m256 hi = _mm256_blendv_ps(B, zero, _mm256_cmp_ps(B, zero, _CMP_LT_OQ));
+        __m256 span = _mm256_sub_ps(hi, lo);
+        __m256 scale = _mm256_div_ps(span, _mm256_set1_ps((float)((1 << bits) - 1)));
+        in = _mm256_blendv_ps(one, scale, _mm256_cmp_ps(span, zero, _CMP_GT_OQ));
+    }
+    __m256 f = in;
+    if (kind == 0) {
+        _mm256_storeu_ps((float*)s_out + k0, in);
+    } else {  /* scale_up's bfloat16: round to nearest even (NaN: 0x7fc0), then up while |f| < |scale| */
+        const __m256i w = _mm256_castps_si256(in), mag = _mm256_set1_epi32(0x7fffffff);
+        __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(w, _mm256_set1_epi32(0x7fff)),
+                                                       _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1))), 16);
+        h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(in, in, _CMP_UNORD_Q)));
+        __m256 fa = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(h, 16), mag));
+        __m256 sa = _mm256_castsi256_ps(_mm256_and_si256(w, mag));
+        h = _mm256_sub_epi32(h, _mm256_castps_si256(_mm256_cmp_ps(fa, sa, _CMP_LT_OQ)));  /* a true compare is -1 */
+        h = _mm256_and_si256(h, _mm256_set1_epi32(0xffff));  /* (uint16_t) */
+        _mm_storeu_si128((__m128i*)((uint16_t*)s_out + k0),
+                         _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+        f = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+    _mm256_storeu_ps(sc, f);
+    if (!asym) { _mm256_storeu_ps(z, zero); return; }
+    const __m256 vmin = _mm256_set1_ps(qmin), vmax = _mm256_set1_ps(qmax);
+    __m256 zz = _mm256_round_ps(_mm256_sub_ps(vmin, _mm256_div_ps(lo, f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 under = _mm256_cmp_ps(zz, vmin, _CMP_LT_OQ), over = _mm256_cmp_ps(zz, vmax, _CMP_GT_OQ);
+    zz = _mm256_blendv_ps(_mm256_blendv_ps(zz, vmax, over), vmin, under);
+    /* int8 zero points: the low byte of each (a NaN's 0x80000000 -> 0, as the scalar cast) */
+    __m256i zi = _mm256_shuffle_epi8(_mm256_cvttps_epi32(zz),
+                                     _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                      0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i*)(zp_out + k0), _mm_unpacklo_epi32(_mm256_castsi256_si128(zi), _mm256_extracti128_si256(zi, 1)));
+    _mm256_storeu_ps(z, zz);
+}
+static inline void vbatch(const void* p, int isbf, int64_t g, int asym, int smax, int bits, int kind,
+                          float qmin, float qmax, float off, void* s_out, int8_t* zp_out, int64_t k0,
+                          uint8_t* restrict o, int stats, __m256i* mx, double* se, double* sr) {
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff);
+    const int64_t es = isbf ? 2 : 4;
+    const int sgn = asym || smax;  /* min and max (signed-max: min (a) and max (b)) */
+    __m256i v0[QB], v1[QB];
+    float a[QB], b[QB];
+    for (int j = 0; j < QB; j++) {
+        const char* q = (const char*)p + j * g * es;
+        if (!sgn) {
+            __m256i m = _mm256_setzero_si256();
+            for (int64_t i = 0; i < g; i += 8) m = _mm256_max_epu32(m, _mm256_and_si256(vload(q, isbf, i), abs));
+            v0[j] = m;
+        } else {
+            __m256i lo = _mm256_set1_epi32(INT32_MAX), hi = _mm256_set1_epi32(INT32_MIN);
+            for (int64_t i = 0; i < g; i += 8) {
+                __m256i v = vload(q, isbf, i);
+                __m256i k = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), abs));  /* okey */
+                lo = _mm256_min_epi32(lo, k);
+                hi = _mm256_max_epi32(hi, k);
+            }
+            v0[j] = lo; v1[j] = hi;
+        }
+    }
+    if (!sgn) {
+        uint32_t r[QB];
+        _mm256_storeu_si256((__m256i*)r, tree_max_epu32(v0));
+        for (int j = 0; j < QB; j++) { a[j] = r[j] > 0x7f800000u ? NAN : bitsf(r[j]); b[j] = 0.0f; }
+    } else {
+        int32_t lo[QB], hi[QB];
+        _mm256_storeu_si256((__m256i*)lo, tree_min_epi32(v0));
+        _mm256_storeu_si256((__m256i*)hi, tree_max_epi32(v1));
+        for (int j = 0; j < QB; j++) keys_range(lo[j], hi[j], a + j, b + j);
+    }
+    float sc[QB], z[QB];
+    vscales(a, b, asym, smax, bits, kind, qmin, qmax, s_out, zp_out, k0, sc, z);
+    __m256 vse = _mm256_setzero_ps(), vsr = _mm256_setzero_ps();
+    for (int j = 0; j < QB; j++)
+        vgroup_acc((const char*)p + j * g * es, isbf, g, sc[j], z[j], qmin, qmax, off, bits, o + j * g * bits / 8,
+                   stats, mx, &vse, &vsr);
+    if (stats) { *se += hsum(vse); *sr += hsum(vsr); }
+}
+#define vbatch_ vbatch
 #define VMX_DECL __m256i vmx = _mm256_setzero_si256()
 #define VMX_FOLD do { uint32_t v_ = (uint32_t)_mm_cvtsi128_si32(fold(vmx, 0)); mx = v_ > mx ? v_ : mx; } while (0)
 #define vrange_ vrange
 #define vgroup_ vgroup
-#define QB 0
-#define QB_MAX_GROUP 0
-#define vbatch_(...) ((void)0)
 """
 
 __all__ = ["SIMD"]
