@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from embedq.errors import OverlayError
 from embedq.format.config import ModuleEntry, parse_config
+from embedq.format.files import inside
+from embedq.format.reader import check_overlay_header
 from embedq.format.constants import (QCONFIG_NAME, QUANT_METHOD, READABLE_FORMAT_VERSIONS,
                                      is_head_name)
 from embedq.format.dtypes import dtype_from_name
@@ -88,6 +91,7 @@ class EmbedqConfig(QuantizationConfig):
             parsed = parse_config(config, QCONFIG_NAME)
         except OverlayError as e:
             raise ValueError(f"embedq: {e}") from None
+        self.parsed = parsed
         self.modules: dict[str, _Spec] = {
             name: _Spec(name, entry) for name, entry in parsed.modules.items()}
         self.aliases: dict[str, str] = dict(parsed.aliases)
@@ -115,11 +119,13 @@ class EmbedqConfig(QuantizationConfig):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["layers"] = None  # per-process (weak references to this model's layers)
+        state["parsed"] = None  # read-only mappings; parsed again from ``raw`` below
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.layers = weakref.WeakValueDictionary()
+        self.parsed = parse_config(self.raw, QCONFIG_NAME)
 
     # packed_modules_mapping is updated in place by models (SupportsQuant); share the
     # same dict with the base config so its fused-layer matching keeps working.
@@ -199,8 +205,24 @@ class EmbedqConfig(QuantizationConfig):
         return None
 
     def maybe_update_config(self, model_name, hf_config=None, revision=None):
+        # vLLM calls this once per engine config, with the model folder, before any model
+        # is built or weight read; its loader reads every tensor of embedq.safetensors (an
+        # in-place overlay's file is globbed with the shards), so hold the file to the config
+        # here as every other reader does: only the declared tensors (docs/security.md row 2).
+        self.check_overlay_file(model_name)
         if self.base is not None:
             self.base.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+
+    def check_overlay_file(self, model_name) -> None:
+        """``format.reader.check_overlay_header`` on the overlay file of a local model
+        folder (a Hub id is not a folder yet: vLLM downloads it later); an
+        ``OverlayError`` naming the file, as ``embedq verify``/``load`` give."""
+        folder = Path(str(model_name)) if model_name else None
+        if folder is None or not folder.is_dir():
+            return
+        name = self.parsed.overlay
+        if (folder / name).exists() or (folder / name).is_symlink():
+            check_overlay_header(inside(folder, name), self.parsed)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper):
         if self.base is not None:
