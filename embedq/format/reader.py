@@ -76,6 +76,16 @@ def check_overlay_header(file: Path, cfg: OverlayConfig) -> tuple[int, dict]:
         n, header = read_safetensors_header(file)
     except EmbedqError as e:
         raise OverlayError(str(e)) from None
+    try:
+        return _held_to_config(file, n, header, cfg)
+    except OverlayError as e:  # the file no longer matches its config: the way out
+        raise OverlayError(f"{e}; {REWRITE_HINT}") from None
+
+
+REWRITE_HINT = "write the overlay again from the float model (embedq quantize --force)"
+
+
+def _held_to_config(file: Path, n: int, header: dict, cfg: OverlayConfig) -> tuple[int, dict]:
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or meta.get("format") != OVERLAY_FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else None
