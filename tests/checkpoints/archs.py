@@ -73,7 +73,7 @@ def build_tiny(class_name: str, model_type: str, path: Path, tie: bool | None = 
         for k, v in SMALL.items():
             if hasattr(c, k) or k in ("vocab_size", "hidden_size"):
                 setattr(c, k, v)
-        for k in ("layer_types",):
+        for k in ("layer_types", "mlp_layer_types"):  # per-layer lists (Step 3.7)
             if getattr(c, k, None) is not None:
                 setattr(c, k, list(getattr(c, k))[: SMALL["num_hidden_layers"]])
         if tie is not None:
