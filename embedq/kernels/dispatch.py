@@ -281,7 +281,7 @@ def _m_range(r: Route) -> str:
 
 
 def table_markdown() -> str:
-    """The table as docs/vllm.md and docs/performance.md print it."""
+    """The table as docs/vllm.md prints it."""
     rows = ["| layout | device | CPU variant | bits | scales | activations | M | kernel |",
             "|---|---|---|---|---|---|---|---|"]
     for r in ROUTES:

@@ -10,7 +10,7 @@ accuracy on Gemma than the table's own quantization. This kernel does neither:
   once per group after the dot, and asymmetric rows subtract ``z * sum(x_group)`` first.
   The result is the reference ``x @ ((q - z) * s)^T`` up to float32 summation order.
 * every weight byte is read from memory once per call whatever M is: a block of 16 rows
-  stays in L1 while every tile of activations (16 rows per-row, 8 with groups) runs over
+  stays in L1 while every tile of activations (16 rows; with groups at M ≤ 8, one tile of 8) runs over
   it: one tile decodes the column pairs in registers; with more than one tile the block is
   decoded once into an L1 scratch that every tile reloads (M = 256: 1.36x -> 1.05x bf16
   F.linear on an AMD EPYC with AVX512-BF16; docs/performance.md).
