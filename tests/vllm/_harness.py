@@ -200,20 +200,24 @@ def load_model(model_dir, **kw):
     return vc, model
 
 
-def vocab_layers(model):
-    """(embedding layer, lm_head layer) of a vLLM causal LM."""
+def vocab_layers(model, embed_module: str | None = None):
+    """(embedding layer, lm_head layer) of a vLLM causal LM. ``embed_module`` (the checkpoint's
+    module name, e.g. ``model.embed_tokens``) picks among several vocabulary embeddings by its
+    last name: Gemma 3n also has ``embed_tokens_per_layer``."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         VocabParallelEmbedding,
     )
     embeds, heads = [], []
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         if isinstance(m, ParallelLMHead):
             heads.append(m)
         elif isinstance(m, VocabParallelEmbedding):
-            embeds.append(m)
+            embeds.append((name, m))
+    if embed_module is not None and len(embeds) > 1:
+        embeds = [(n, m) for n, m in embeds if n.rsplit(".", 1)[-1] == embed_module.rsplit(".", 1)[-1]]
     assert len(embeds) == 1 and len(heads) <= 1, (embeds, heads)
-    return embeds[0], (heads[0] if heads else None)
+    return embeds[0][1], (heads[0] if heads else None)
 
 
 def reference(model_dir, module: str, dtype=torch.bfloat16) -> torch.Tensor:

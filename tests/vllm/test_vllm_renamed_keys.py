@@ -31,6 +31,7 @@ def _supported() -> set[str]:
 ARCHS = renamed_architectures()
 MISSING_OP = re.compile(r"'_OpNamespace' '_C' object has no attribute '(\w+)'")
 MISSING_FIELD = re.compile(r"'(\w+Config)' object has no attribute '(\w+)'")
+UNSET_FIELD = re.compile(r"unsupported (\w+)=None")  # e.g. Qwen4Exp's output_gate_type
 
 
 def _upstream(e: BaseException) -> str | None:
@@ -58,10 +59,16 @@ def _upstream(e: BaseException) -> str | None:
     if isinstance(e, ModuleNotFoundError) and e.name and not e.name.startswith("embedq"):
         return f"vLLM needs the package {e.name}, not installed ({frames[-1].filename})"
     m = MISSING_FIELD.search(str(e))
-    models = f"{os.sep}vllm{os.sep}model_executor{os.sep}models{os.sep}"
-    if isinstance(e, AttributeError) and m and any(models in f.filename for f in frames):
+    # vLLM's model classes: vllm/model_executor/models/ and (newer families) vllm/models/
+    models = (f"{os.sep}vllm{os.sep}model_executor{os.sep}models{os.sep}", f"{os.sep}vllm{os.sep}models{os.sep}")
+    in_models = any(d in f.filename for f in frames for d in models)
+    if isinstance(e, AttributeError) and m and in_models:
         return (f"vLLM's model reads {m.group(2)!r} from its config, which transformers' "
                 f"{m.group(1)} (the tiny build's config) does not have")
+    unset = UNSET_FIELD.search(str(e))
+    if isinstance(e, AssertionError) and unset and in_models and f"{os.sep}vllm{os.sep}" in frames[-1].filename:
+        return (f"vLLM's model needs the config field {unset.group(1)!r}, which the tiny build's "
+                f"config (transformers' defaults) leaves None ({Path(frames[-1].filename).name})")
     if isinstance(e, ValueError) and str(e).startswith("Unsupported head_dim") \
             and f"{os.sep}vllm{os.sep}" in frames[-1].filename:
         return f"{e} (the tiny build's head_dim), raised by {Path(frames[-1].filename).name}"
@@ -161,9 +168,9 @@ def test_vllm_loads_renamed_architecture(key, tmp_path):
         if why is None:
             raise
         pytest.skip(f"{cls_name}: {why}")
-    embed, head = vocab_layers(model)
-    assert isinstance(embed.quant_method, ev.EmbedqMethod)
     emb_module = d["tensors"][0]["tensor"][: -len(".weight")]
+    embed, head = vocab_layers(model, emb_module)
+    assert isinstance(embed.quant_method, ev.EmbedqMethod)
     ref = reference(path, emb_module, torch.bfloat16)
     ids = torch.arange(ref.shape[0])
     torch.testing.assert_close(embed(ids), ref[ids], rtol=0, atol=0)
