@@ -175,9 +175,14 @@ def init_single_process() -> None:
     except ImportError:
         pass
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    initialize_model_parallel(1, 1)
+    from vllm.config import VllmConfig, set_current_vllm_config
+    # Outside the caller's model config: vLLM creates the expert-parallel group only when the
+    # current config's model is MoE (or there is none), and this process loads dense and MoE
+    # models one after the other; with no model config every group exists, as for a MoE model.
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        initialize_model_parallel(1, 1)
     _dist_ready = True
 
 
