@@ -16,21 +16,32 @@ static inline __m512i vload(const void* p, int isbf, int64_t i) {  /* 16 element
     if (isbf) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i))), 16);
     return _mm512_loadu_si512((const float*)p + i);
 }
-static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+/* A group's range lane by lane: max |x| bits (*lo), or (sgn) min and max order keys (okey). */
+static inline void vlanes(const void* p, int isbf, int64_t g, int sgn, __m512i* lo, __m512i* hi) {
     const __m512i abs = _mm512_set1_epi32(0x7fffffff);
-    if (!asym) {
+    if (!sgn) {
         __m512i m = _mm512_setzero_si512();
         for (int64_t i = 0; i < g; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(vload(p, isbf, i), abs));
-        uint32_t r = _mm512_reduce_max_epu32(m);
-        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        *lo = m;
         return;
     }
-    __m512i lo = _mm512_set1_epi32(INT32_MAX), hi = _mm512_set1_epi32(INT32_MIN);
+    __m512i l = _mm512_set1_epi32(INT32_MAX), h = _mm512_set1_epi32(INT32_MIN);
     for (int64_t i = 0; i < g; i += 16) {
         __m512i v = vload(p, isbf, i);
         __m512i k = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), abs));  /* okey */
-        lo = _mm512_min_epi32(lo, k);
-        hi = _mm512_max_epi32(hi, k);
+        l = _mm512_min_epi32(l, k);
+        h = _mm512_max_epi32(h, k);
+    }
+    *lo = l; *hi = h;
+}
+static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+    __m512i lo, hi;
+    vlanes(p, isbf, g, asym, &lo, &hi);
+    if (!asym) {
+        __m512i m = lo;
+        uint32_t r = _mm512_reduce_max_epu32(m);
+        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        return;
     }
     keys_range(_mm512_reduce_min_epi32(lo), _mm512_reduce_max_epi32(hi), a, b);
 }
@@ -145,28 +156,11 @@ static inline void vscales(const float* a, const float* b, int asym, int smax, i
 static inline void vbatch(const void* p, int isbf, int64_t g, int asym, int smax, int bits, int kind,
                           float qmin, float qmax, float off, void* s_out, int8_t* zp_out, int64_t k0,
                           uint8_t* restrict o, int stats, __m512i* mx, double* se, double* sr) {
-    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
     const int64_t es = isbf ? 2 : 4;
     const int sgn = asym || smax;  /* min and max (signed-max: min (a) and max (b)) */
     __m512i v0[QB], v1[QB];
     float a[QB], b[QB];
-    for (int j = 0; j < QB; j++) {
-        const char* q = (const char*)p + j * g * es;
-        if (!sgn) {
-            __m512i m = _mm512_setzero_si512();
-            for (int64_t i = 0; i < g; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(vload(q, isbf, i), abs));
-            v0[j] = m;
-        } else {
-            __m512i lo = _mm512_set1_epi32(INT32_MAX), hi = _mm512_set1_epi32(INT32_MIN);
-            for (int64_t i = 0; i < g; i += 16) {
-                __m512i v = vload(q, isbf, i);
-                __m512i k = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), abs));  /* okey */
-                lo = _mm512_min_epi32(lo, k);
-                hi = _mm512_max_epi32(hi, k);
-            }
-            v0[j] = lo; v1[j] = hi;
-        }
-    }
+    for (int j = 0; j < QB; j++) vlanes((const char*)p + j * g * es, isbf, g, sgn, v0 + j, v1 + j);
     if (!sgn) {
         uint32_t r[QB];
         _mm512_storeu_si512(r, tree_max_epu32(v0));
@@ -211,21 +205,32 @@ static inline float hsum(__m256 v) {
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
-static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+/* A group's range lane by lane: max |x| bits (*lo), or (sgn) min and max order keys (okey). */
+static inline void vlanes(const void* p, int isbf, int64_t g, int sgn, __m256i* lo, __m256i* hi) {
     const __m256i abs = _mm256_set1_epi32(0x7fffffff);
-    if (!asym) {
+    if (!sgn) {
         __m256i m = _mm256_setzero_si256();
         for (int64_t i = 0; i < g; i += 8) m = _mm256_max_epu32(m, _mm256_and_si256(vload(p, isbf, i), abs));
-        uint32_t r = (uint32_t)_mm_cvtsi128_si32(fold(m, 0));
-        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        *lo = m;
         return;
     }
-    __m256i lo = _mm256_set1_epi32(INT32_MAX), hi = _mm256_set1_epi32(INT32_MIN);
+    __m256i l = _mm256_set1_epi32(INT32_MAX), h = _mm256_set1_epi32(INT32_MIN);
     for (int64_t i = 0; i < g; i += 8) {
         __m256i v = vload(p, isbf, i);
         __m256i k = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), abs));  /* okey */
-        lo = _mm256_min_epi32(lo, k);
-        hi = _mm256_max_epi32(hi, k);
+        l = _mm256_min_epi32(l, k);
+        h = _mm256_max_epi32(h, k);
+    }
+    *lo = l; *hi = h;
+}
+static inline void vrange(const void* p, int isbf, int64_t g, int asym, float* a, float* b) {
+    __m256i lo, hi;
+    vlanes(p, isbf, g, asym, &lo, &hi);
+    if (!asym) {
+        __m256i m = lo;
+        uint32_t r = (uint32_t)_mm_cvtsi128_si32(fold(m, 0));
+        *a = r > 0x7f800000u ? NAN : bitsf(r);
+        return;
     }
     keys_range(_mm_cvtsi128_si32(fold(lo, 1)), _mm_cvtsi128_si32(fold(hi, 2)), a, b);
 }
@@ -342,28 +347,11 @@ static inline void vscales(const float* a, const float* b, int asym, int smax, i
 static inline void vbatch(const void* p, int isbf, int64_t g, int asym, int smax, int bits, int kind,
                           float qmin, float qmax, float off, void* s_out, int8_t* zp_out, int64_t k0,
                           uint8_t* restrict o, int stats, __m256i* mx, double* se, double* sr) {
-    const __m256i abs = _mm256_set1_epi32(0x7fffffff);
     const int64_t es = isbf ? 2 : 4;
     const int sgn = asym || smax;  /* min and max (signed-max: min (a) and max (b)) */
     __m256i v0[QB], v1[QB];
     float a[QB], b[QB];
-    for (int j = 0; j < QB; j++) {
-        const char* q = (const char*)p + j * g * es;
-        if (!sgn) {
-            __m256i m = _mm256_setzero_si256();
-            for (int64_t i = 0; i < g; i += 8) m = _mm256_max_epu32(m, _mm256_and_si256(vload(q, isbf, i), abs));
-            v0[j] = m;
-        } else {
-            __m256i lo = _mm256_set1_epi32(INT32_MAX), hi = _mm256_set1_epi32(INT32_MIN);
-            for (int64_t i = 0; i < g; i += 8) {
-                __m256i v = vload(q, isbf, i);
-                __m256i k = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), abs));  /* okey */
-                lo = _mm256_min_epi32(lo, k);
-                hi = _mm256_max_epi32(hi, k);
-            }
-            v0[j] = lo; v1[j] = hi;
-        }
-    }
+    for (int j = 0; j < QB; j++) vlanes((const char*)p + j * g * es, isbf, g, sgn, v0 + j, v1 + j);
     if (!sgn) {
         uint32_t r[QB];
         _mm256_storeu_si256((__m256i*)r, tree_max_epu32(v0));
