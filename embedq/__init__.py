@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the layers are imported when called
 # quantize's keyword defaults: a keyword left at its default is not passed on, so the recipe
 # tells "not given" (the scheme defaults, DEFAULT_SCHEMES) from an explicit value.
 _QUANTIZE_DEFAULTS = dict(group_size=None, symmetric=None, method=None, scale_dtype=None, head_bits=None,
-                          head_group_size=None, head_symmetric=None, lm_head=False, targets=None,
-                          trust=None, output=None, overlay_only=False, force=False, format="embedq",
+                          head_group_size=None, head_symmetric=None, lm_head=False, per_layer_embeddings=False,
+                          targets=None, trust=None, output=None, overlay_only=False, force=False, format="embedq",
                           max_kld=None, auto=False, chunk_rows=None, progress=True, base_model=None,
                           base_revision=None, eval_results=None, calibration=None)
 
@@ -43,7 +43,8 @@ def quantize(path: str | os.PathLike, bits: int | None = None, *,
              group_size: int | None = None, symmetric: bool | None = None, method: str | None = None,
              scale_dtype: str | None = None, head_bits: int | None = None,
              head_group_size: int | None = None, head_symmetric: bool | None = None,
-             lm_head: bool = False, targets: Sequence[str] | None = None, trust: str | None = None,
+             lm_head: bool = False, per_layer_embeddings: bool = False,
+             targets: Sequence[str] | None = None, trust: str | None = None,
              output: str | os.PathLike | None = None, overlay_only: bool = False, force: bool = False,
              format: str = "embedq", max_kld: float | None = None, auto: bool = False,
              chunk_rows: int | None = None, progress: bool = True, base_model: str | None = None,
@@ -53,7 +54,7 @@ def quantize(path: str | os.PathLike, bits: int | None = None, *,
 
     The keywords are the flags of ``embedq quantize`` (``--group-size`` (0: per row),
     ``--asym`` (``symmetric=False``), ``--method``, ``--lm-head``, ``--head-bits``,
-    ``--output``, ``--max-kld`` ...), what is not given taken from the defaults
+    ``--per-layer-embeddings``, ``--output``, ``--max-kld`` ...), what is not given taken from the defaults
     (:data:`embedq.format.scheme.DEFAULT_SCHEMES`); they build the same
     :class:`embedq.jobs.recipe.QuantizeRecipe` the command builds. Or pass a ready
     ``recipe`` (and nothing else). With ``max_kld`` / ``auto`` the scheme is measured
@@ -63,7 +64,8 @@ def quantize(path: str | os.PathLike, bits: int | None = None, *,
     options = {k: v for k, v in dict(
         group_size=group_size, symmetric=symmetric, method=method, scale_dtype=scale_dtype,
         head_bits=head_bits, head_group_size=head_group_size, head_symmetric=head_symmetric,
-        lm_head=lm_head, targets=targets, trust=trust, output=output, overlay_only=overlay_only,
+        lm_head=lm_head, per_layer_embeddings=per_layer_embeddings, targets=targets, trust=trust,
+        output=output, overlay_only=overlay_only,
         force=force, format=format, max_kld=max_kld, auto=auto, chunk_rows=chunk_rows,
         progress=progress, base_model=base_model, base_revision=base_revision,
         eval_results=eval_results, calibration=calibration).items() if _given(v, _QUANTIZE_DEFAULTS[k])}

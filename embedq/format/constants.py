@@ -35,7 +35,10 @@ OVERLAY_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zer
 SUPPORTED_BITS = (4, 8)
 # rtn: round-to-nearest; mse: error-minimizing scales; gptq: head-aware, calibrated.
 METHODS = ("rtn", "mse", "gptq")
-ROLES = ("embedding", "head", "mtp")
+# per_layer: a per-layer input embedding beside the input embedding (Gemma 3n's
+# embed_tokens_per_layer: vocabulary x (layers x 256), gathered once per token, never a head).
+ROLES = ("embedding", "head", "mtp", "per_layer")
+PER_LAYER_NAMES = ("embed_tokens_per_layer",)
 
 # Bits per element of every dtype name a safetensors header may hold (safetensors 0.6+).
 ST_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
@@ -69,10 +72,13 @@ def is_embedding_name(module: str) -> bool:
 def may_replace(module: str, role: str) -> bool:
     """Whether an overlay module of ``role`` may be named ``module``: an input embedding or an
     output head by its name, never a module inside a numbered layer (MTP/draft tables,
-    role ``mtp``, may be: DeepSeek keeps them in ``model.layers.<n>``)."""
+    role ``mtp``, may be: DeepSeek keeps them in ``model.layers.<n>``); a ``per_layer`` table
+    only by a per-layer embedding's name."""
     parts = module.split(".")
     if role != "mtp" and any(p.isdigit() for p in parts):
         return False
+    if role == "per_layer":
+        return parts[-1] in PER_LAYER_NAMES
     return parts[-1] in (OUTPUT_NAMES if role == "head" else EMBED_NAMES)
 
 

@@ -66,9 +66,11 @@ def _strip_weight(name: str) -> str:
 
 def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
                  head_scheme: Scheme | None = None, targets: list[str] | None = None,
-                 trust: str | None = None, fit_default: bool = False
+                 trust: str | None = None, fit_default: bool = False, per_layer: bool = False
                  ) -> tuple[list[ModulePlan], dict[str, str], bool]:
     """Decide what to quantize: module plans, aliases, and whether the model is tied.
+
+    ``per_layer``: also the per-layer input embeddings (Gemma 3n), with the table's scheme.
 
     ``fit_default``: the schemes are defaults, fitted to each table's width (:meth:`Scheme.fit`).
     """
@@ -99,6 +101,11 @@ def plan_modules(ckpt: Checkpoint, scheme: Scheme, *, lm_head: bool = False,
             aliases[_strip_weight(extra)] = emb_mod
         else:
             plans.append(ModulePlan(_strip_weight(extra), extra, scheme, "mtp"))
+    if per_layer and not t.per_layer:
+        raise EmbedqError(f"{where}: --per-layer-embeddings: this model has no per-layer input embedding "
+                          "(embed_tokens_per_layer, as Gemma 3n has); drop the flag")
+    for table in t.per_layer if per_layer else ():
+        plans.append(ModulePlan(_strip_weight(table), table, scheme, "per_layer"))
     for p in plans:
         info = ckpt.tensor(p.tensor)
         if info.dtype not in ST_TO_TORCH:

@@ -16,7 +16,7 @@ import time
 from embedq.errors import CheckpointError, SchemeError
 from embedq.format.checkpoint import OVERLAY_NAME, QCONFIG_NAME, Checkpoint
 from embedq.format.config import build_config, parse_config
-from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
+from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, ST_DTYPE_BITS
 from embedq.format.files import check_writable
 from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
@@ -60,11 +60,24 @@ def _plan(ckpt: Checkpoint, r: QuantizeRecipe) -> tuple[list[ModulePlan], dict[s
     """:func:`plan_modules` for ``r``, with gptq only on tables a head reads (gather-only: mse)."""
     plans, aliases, tied = plan_modules(ckpt, r.scheme, lm_head=r.lm_head, head_scheme=r.head_scheme,
                                         targets=list(r.targets) if r.targets else None, trust=r.trust,
-                                        fit_default=r.fit_default)
+                                        fit_default=r.fit_default, per_layer=r.per_layer_embeddings)
     for p in plans:
         if p.scheme.method == "gptq" and not p.head_reads:
             p.scheme = dataclasses.replace(p.scheme, method="mse")
     return plans, aliases, tied
+
+
+def _per_layer_note(ckpt: Checkpoint) -> list[str]:
+    """A line per per-layer input embedding left float (Gemma 3n's is its largest table)."""
+    from embedq.jobs.targets import per_layer_tables
+    out = []
+    for name in per_layer_tables(ckpt):
+        info = ckpt.tensor(name)
+        rows, cols = info.shape
+        gb = rows * cols * ST_DTYPE_BITS.get(info.dtype, 16) / 8e9
+        out.append(f"{name} ({rows} x {cols}, {gb:.2f} GB) stays float: --per-layer-embeddings "
+                   "quantizes it too (see docs/usage.md)")
+    return out
 
 
 def _needs_calibration(path: str | os.PathLike, r: QuantizeRecipe) -> bool:
@@ -84,6 +97,8 @@ def _quantize(ckpt: Checkpoint, t0: float, recipe: QuantizeRecipe, calibration) 
         base_qc = state.base_state(ckpt, r.force, derived=r.output is not None, warnings=notes)
     with stage("target discovery + tie check"):
         plans, aliases, tied = _plan(ckpt, r)
+    if not r.per_layer_embeddings:
+        notes += _per_layer_note(ckpt)
     if calibration is None and any(p.scheme.method == "gptq" for p in plans):
         raise CheckpointError(f"{ckpt.path}: changed during the run (a head now reads a gptq "
                               "table, which needs the calibration not collected); run again")

@@ -62,6 +62,7 @@ class QuantizeRecipe:
     head_scheme: Scheme | None = None
     fit_default: bool = True  # the grouping was not given: fit the default to each width (Scheme.fit)
     lm_head: bool = False
+    per_layer_embeddings: bool = False  # Gemma 3n's embed_tokens_per_layer too
     targets: tuple[str, ...] | None = None
     trust: str | None = None
     output: Path | None = None
@@ -83,7 +84,7 @@ class QuantizeRecipe:
             v = getattr(self, k)
             if v is not None and not isinstance(v, Scheme):
                 raise SchemeError(f"{k} {v!r}: must be an embedq Scheme or None")
-        for k in ("fit_default", "lm_head", "overlay_only", "force", "progress"):
+        for k in ("fit_default", "lm_head", "per_layer_embeddings", "overlay_only", "force", "progress"):
             if not isinstance(getattr(self, k), bool):
                 raise EmbedqError(f"{k} {getattr(self, k)!r}: must be True or False")
         if self.search is not None and not isinstance(self.search, SchemeSearch):
@@ -110,6 +111,9 @@ class QuantizeRecipe:
             raise EmbedqError(f"--format {self.format!r}: expected embedq or compressed-tensors")
         if self.search is not None and self.format != "embedq":
             raise EmbedqError("--max-kld/--auto write the embedq format only")
+        if self.search is not None and self.per_layer_embeddings:  # the search measures the main table
+            raise EmbedqError("--max-kld/--auto choose the input embedding's scheme; with "
+                              "--per-layer-embeddings pass the scheme (--bits, --group-size)")
         if (self.scheme is None) != (self.search is not None):
             raise SchemeError("a recipe has a scheme, or a search that chooses one")
         if self.format == "compressed-tensors":
@@ -118,6 +122,9 @@ class QuantizeRecipe:
             if self.overlay_only:  # the format lives in config.json, which a bundle has not
                 raise SchemeError("--format compressed-tensors writes a full derived checkpoint (its "
                                   "config.json carries the format); drop --overlay-only or --format")
+            if self.per_layer_embeddings:  # not tried with stock vLLM's compressed-tensors
+                raise SchemeError("--per-layer-embeddings writes the embedq format; drop --format "
+                                  "compressed-tensors or --per-layer-embeddings")
             if not self.scheme.symmetric:
                 raise SchemeError("--format compressed-tensors: stock vLLM serves only symmetric embedding "
                                   "tables; drop --asym or use the default embedq format")

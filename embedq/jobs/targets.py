@@ -28,6 +28,8 @@ EMBED_PATTERNS = (r"(^|\.)embed_tokens\.weight$", r"(^|\.)wte\.weight$", r"(^|\.
                   r"(^|\.)word_embeddings\.weight$", r"(^|\.)tok_embeddings\.weight$")
 HEAD_PATTERNS = (r"(^|\.)lm_head\.weight$", r"(^|\.)embed_out\.weight$", r"(^|\.)output\.weight$")
 MTP_MARKERS = ("mtp.", "draft.", "eagle.")
+# Per-layer input embeddings (Gemma 3n): gathered beside the input embedding, its largest table.
+PER_LAYER_PATTERNS = (r"(^|\.)embed_tokens_per_layer\.weight$",)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Targets:
     tied: bool
     extra_embeddings: list[str] = field(default_factory=list)  # MTP/draft embedding tensors
     source: str = "transformers"  # transformers (class facts) | skeleton | patterns | override
+    per_layer: list[str] = field(default_factory=list)  # per-layer input embeddings (Gemma 3n)
 
 
 def _is_mtp(name: str) -> bool:
@@ -202,7 +205,8 @@ def find_targets(ckpt: Checkpoint, override: list[str] | None = None) -> tuple[T
         else:  # only the embedding named: the head is the model's own (quantized only with --lm-head)
             head = auto.head if auto is not None and auto.head not in (None, emb) else None
             head_module = auto.head_module if auto is not None else _default_head_module(emb, "lm_head")
-        t = Targets(emb, head, head_module, tied_cfg, [], "override")
+        t = Targets(emb, head, head_module, tied_cfg, [], "override",
+                    auto.per_layer if auto is not None else per_layer_tables(ckpt))
     else:
         t = _discover(ckpt, tied_cfg)
     _check_vocab(ckpt, t.embedding)
@@ -232,7 +236,11 @@ def _check_override(ckpt: Checkpoint, names: list[str], auto: Targets | None) ->
     allowed = candidate_tensors(ckpt)
     if auto is not None:
         allowed |= {x for x in (auto.embedding, auto.head, *auto.extra_embeddings) if x}
+    per_layer = set(auto.per_layer if auto is not None else per_layer_tables(ckpt))
     for n in names:
+        if n in per_layer:
+            raise CheckpointError(f"{given}: {n} is a per-layer input embedding; --per-layer-embeddings "
+                                  f"quantizes it beside the input embedding: {fix}")
         if n not in allowed:
             raise CheckpointError(f"{ckpt.path}: --targets {n} is not an input or output embedding "
                                   f"(or MTP/draft table) of this model; embedq quantizes only those: {fix}")
@@ -292,7 +300,13 @@ def _discover(ckpt: Checkpoint, tied_cfg: bool) -> Targets:
         if n != emb and _is_mtp(n) and any(re.search(p, n) for p in EMBED_PATTERNS):
             if ckpt.tensor(n).shape == emb_shape:
                 extras.append(n)
-    return Targets(emb, head, head_module, tied_cfg, sorted(extras), source)
+    return Targets(emb, head, head_module, tied_cfg, sorted(extras), source, per_layer_tables(ckpt))
+
+
+def per_layer_tables(ckpt: Checkpoint) -> list[str]:
+    """The checkpoint's per-layer input embeddings (2-D tensors named like Gemma 3n's)."""
+    return sorted(n for n in ckpt.weight_map if any(re.search(p, n) for p in PER_LAYER_PATTERNS)
+                  and not _is_mtp(n) and len(ckpt.tensor(n).shape) == 2)
 
 
 
