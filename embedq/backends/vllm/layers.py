@@ -50,6 +50,13 @@ logger = logging.getLogger("embedq.vllm")
 
 
 
+# Layer names vLLM's model classes spell otherwise than the checkpoint's module (the last
+# name component: vLLM name -> checkpoint name). vllm/model_executor/models/gemma3n.py
+# (0.32, 0.33) builds Gemma 3n's embed_tokens_per_layer with
+# prefix=f"{prefix}.per_layer_embed_tokens" (its weights load under the attribute's name).
+VLLM_SPELLINGS = {"per_layer_embed_tokens": "embed_tokens_per_layer"}
+
+
 class _HybridMethod:
     """A method that works on the class (returns the default) and on instances."""
 
@@ -255,9 +262,10 @@ class EmbedqConfig(QuantizationConfig):
     def resolve(self, prefix: str, is_head: bool, rows: int, cols: int) -> str | None:
         """The overlay module (or alias) a vocab layer serves, or None.
 
-        By name first (checkpoint name, or its vLLM-mapped form); models that build the
-        layer without a name (Llama, Mixtral, Gemma, ...) are matched by kind (head or
-        embedding) and shape.
+        By name first (checkpoint name, or its vLLM-mapped form); then by kind (head or
+        embedding) and shape, among the modules of the layer's last name component
+        (vLLM's spelling of it read through ``VLLM_SPELLINGS``) when it has a name, among
+        all when it has none (Llama, Mixtral, Gemma, ...).
         """
         p = (prefix or "").lstrip(".")
         if p in self.name_map:
@@ -270,6 +278,7 @@ class EmbedqConfig(QuantizationConfig):
         candidates = [n for n in (*self.modules, *self.aliases) if fits(n)]
         if p:  # named, but not by the checkpoint's name: match on the last component
             last = p.rsplit(".", 1)[-1]
+            last = VLLM_SPELLINGS.get(last, last)
             candidates = [n for n in candidates if n.rsplit(".", 1)[-1] == last]
         if len(candidates) == 1:
             logger.debug("embedq: layer %r serves overlay module %s", prefix, candidates[0])
