@@ -195,6 +195,10 @@ def _entry(name: str, e: Any, where: str, algo: str = DIGEST) -> ModuleEntry:
     if role == "head" and not may_replace(name, role):
         raise OverlayError(f"{where}: module {name} has role 'head' but is not an output "
                            "embedding (lm_head ...); an overlay replaces only embeddings and heads")
+    if role == "per_layer" and not may_replace(name, role):
+        raise OverlayError(f"{where}: module {name} has role 'per_layer' but is not a per-layer "
+                           "input embedding (embed_tokens_per_layer); an overlay replaces only "
+                           "embeddings and heads")
     if role != "head" and not may_replace(name, role):
         raise OverlayError(f"{where}: module {name} is not an embedding table (embed_tokens, wte ...); "
                            "an overlay replaces only embeddings and heads")

@@ -66,14 +66,15 @@ def parse_bundle(overlay: str | os.PathLike) -> tuple[OverlayConfig, Path]:
 
 def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
     """Refuse a base whose source tables are not the ones the overlay was made from,
-    an overlay that replaces anything but the base's embeddings and heads, and one that
-    ties (or unties) a head the base does not. Every refusal that reads no table comes
-    before the source tables are hashed (minutes on a big base)."""
+    an overlay that replaces anything but the base's embeddings (per-layer ones too) and
+    heads, and one that ties (or unties) a head the base does not. Every refusal that reads
+    no table comes before the source tables are hashed (minutes on a big base)."""
     if isinstance(qconfig, dict):
         qconfig = parse_config(qconfig, "quantization_config.json")
     found = _base_targets(ckpt)
     allowed = None if found is None else \
-        {x for x in [found[0].embedding, found[0].head, *found[0].extra_embeddings] if x}
+        {x for x in [found[0].embedding, found[0].head, *found[0].extra_embeddings, *found[0].per_layer]
+         if x}
     for name, entry in qconfig.modules.items():
         src = entry.source
         tensor = src.tensor
@@ -113,7 +114,7 @@ def check_base(ckpt: Checkpoint, qconfig: OverlayConfig | dict) -> None:
 
 
 def _base_targets(ckpt: Checkpoint) -> tuple[Targets, bool] | None:
-    """The base's targets (its input and output embeddings and MTP/draft tables) and
+    """The base's targets (its input and output embeddings, MTP/draft and per-layer tables) and
     whether its config says tied (None when the model's targets cannot be determined)."""
     from embedq.jobs.targets import find_targets
     try:

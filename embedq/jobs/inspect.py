@@ -26,7 +26,7 @@ class InspectTensor:
     """One target tensor: where it is, and its bytes now / after the int8 and Q4 g32 defaults
     (None: that scheme cannot represent its shape)."""
 
-    role: str            # embedding | head | mtp
+    role: str            # embedding | head | mtp | per_layer (quantized with --per-layer-embeddings)
     tensor: str
     file: str
     shape: list[int]
@@ -78,6 +78,7 @@ def inspect_checkpoint(path: str | os.PathLike, revision: str | None = None) -> 
     if t.head:
         names.append(("head", t.head))
     names += [("mtp", n) for n in t.extra_embeddings]
+    names += [("per_layer", n) for n in t.per_layer]
     rows = []
     for role, n in names:
         info = ckpt.tensor(n)
@@ -113,4 +114,6 @@ def format_inspect(result: InspectResult | dict) -> str:
     for r in d["tensors"]:
         lines.append(fmt.format(r["role"], r["tensor"], "x".join(map(str, r["shape"])), r["dtype"],
                                 mb(r["bytes"]), mb(r["bytes_int8"]), mb(r["bytes_q4_g32"])))
+    if any(r["role"] == "per_layer" for r in d["tensors"]):
+        lines.append("per_layer: quantized only with --per-layer-embeddings (with the table's scheme)")
     return "\n".join(lines)

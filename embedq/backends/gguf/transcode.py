@@ -31,6 +31,7 @@ from embedq.format.constants import CONFIG_NAME, QCONFIG_NAME, is_head_name
 from embedq.format.files import folder_files
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+PER_LAYER = "per_layer_token_embd.weight"  # llama.cpp's Gemma 3n embed_tokens_per_layer
 EXACT_FLAGS = "`--bits 8 --group-size 32 --scale-dtype float16` or `--bits 4 --group-size 32 --scale-dtype float16`"
 CHUNK_ROWS = 16384
 COPY_CHUNK = 16 << 20
@@ -135,6 +136,17 @@ def _may_add_head(base: GGUFFile, emb, head, where: str) -> None:
                         "change its shards' tensor counts; merge it first (llama-gguf-split --merge)")
 
 
+def _left_out(base: GGUFFile, m) -> str:
+    """The note for an overlay module OUT does not take: an MTP/draft table (no GGUF tensor),
+    or a per-layer input embedding (Gemma 3n's), which OUT keeps as BASE has it."""
+    if m.role != "per_layer":
+        return f"module {m.name} ({m.role}) has no GGUF tensor: left out"
+    t = base.tensor(PER_LAYER)
+    kept = f"the base has no {PER_LAYER}" if t is None else \
+        f"OUT keeps the base's own {PER_LAYER} ({t.type_name}) as it is"
+    return f"module {m.name} (per_layer) left out: {kept}"
+
+
 def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
     cfg = ov.parsed
     emb = [m for m in cfg.modules.values() if m.role == "embedding"]
@@ -142,8 +154,7 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
         raise OverlayError(f"{where}: {len(emb)} embedding tables; a GGUF has one (token_embd)")
     heads = [m for m in cfg.modules.values() if m.role == "head"]
     tied_to = [a for a, o in cfg.aliases.items() if o == emb[0].name and is_head_name(a)]
-    notes = [f"module {m.name} ({m.role}) has no GGUF tensor: left out"
-             for m in cfg.modules.values() if m.role not in ("embedding", "head")]
+    notes = [_left_out(base, m) for m in cfg.modules.values() if m.role not in ("embedding", "head")]
     pairs = [(EMBEDDING, emb[0], EMBEDDING)]
     has_out = base.tensor(OUTPUT) is not None
     if heads and not has_out:  # tied BASE: the head's own table is a quantization of token_embd

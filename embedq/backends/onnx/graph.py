@@ -192,3 +192,7 @@ def overlay_targets(cfg: dict) -> tuple[list[str], tuple[str, str] | None]:
     return embeddings, head
 
 
+def optional_gathers(cfg: dict) -> list[str]:
+    """Modules patched only where a Gather reads their float table (per-layer input
+    embeddings, role ``per_layer``: a graph may hold them elsewhere, or not at all)."""
+    return [m for m, e in cfg["modules"].items() if e.get("role") == "per_layer"]

@@ -19,9 +19,9 @@ from embedq.backends.onnx.common import (MIN_ORT, MIN_ORT_ODD_BLOCKS_4BIT, MS_DO
 from embedq.backends.onnx.genai import (GENAI_CONFIG, genai_provider, is_genai_folder,
                                         model_files, open_genai_folder, write_folder)
 from embedq.backends.onnx.graph import (GraphIndex, TableMatch, check_structure, find_gathers, find_heads,
-                                        overlay_targets)
+                                        optional_gathers, overlay_targets)
 from embedq.backends.onnx.report import OnnxModuleReport, OnnxReport
-from embedq.backends.onnx.source import SourceCheck, check_source
+from embedq.backends.onnx.source import check_sources
 from embedq.backends.onnx.split import NodeMaker, resolve_limit, row_ranges, split_gather, split_head
 from embedq.backends.onnx.write import check_not_input, check_output_file, clean_output, folder_inputs, write_model
 
@@ -127,7 +127,7 @@ def _patch_file(src_path: Path, ov_path: Path, out_path: Path, *, external_data:
                max_tensor_bytes=max_tensor_bytes)
 
     matches, head_modules = _find_matches(P)
-    matches = _check_sources(P, matches)
+    matches = check_sources(P, matches, frozenset(optional_gathers(cfg)))
     new_nodes, new_tensors, extra_inits, reports = _build_nodes(P, matches, head_modules)
     bytes_before = _initializer_bytes(mp, P.G.base_dir)
     _rewrite_graph(P, matches, new_nodes, reports)
@@ -182,6 +182,12 @@ def _find_matches(P: _Patch) -> tuple[list[TableMatch], dict[int, str]]:
                 + (" (the graph is already patched)" if already else
                    f" (not a graph of the model in {P.ov_path}?)"))
         matches.extend(found)
+    for m in optional_gathers(cfg):  # per-layer tables: patched where a Gather reads them
+        shape = list(cfg["modules"][m]["shape"])
+        found = find_gathers(G, m, shape)
+        if not found:
+            P.warnings.append(f"{m}: no Gather reads its float {shape} table; it stays as it is")
+        matches.extend(found)
     head_modules: dict[int, str] = {}
     if head is not None:
         hmod, owner = head
@@ -191,45 +197,6 @@ def _find_matches(P: _Patch) -> tuple[list[TableMatch], dict[int, str]]:
         head_modules = {id(f.node): hmod for f in found}
         matches.extend(found)
     return matches, head_modules
-
-
-def _check_sources(P: _Patch, matches: list[TableMatch]) -> list[TableMatch]:
-    """Step 2: each float initializer must be the overlay's source (checked once each)."""
-    from embedq.format.reader import load_overlay
-    P.ov = load_overlay(P.ov_path)
-    checks: dict[tuple[str, bool], SourceCheck | None] = {}
-    failed: dict[str, list[str]] = {}
-    for m in matches:
-        key = (m.init, m.transposed)
-        if key in checks:
-            continue
-        entry = P.cfg["modules"][m.module]
-        where = f"{P.src_path}: initializer {m.init!r} ({m.node.op_type} {m.node.name!r})"
-        if P.G.tensor(m.init).elem_type == tensor_proto().BFLOAT16:
-            raise OnnxError(f"{where} is bfloat16; ONNX Runtime's CPU kernels take float32 or "
-                            "float16 scales and outputs: export the model in float32 or float16")
-        try:
-            checks[key] = check_source(P.G.tensor(m.init), m.transposed, entry, P.ov.tables[m.module], where)
-        except OnnxError:
-            # Several candidates of the right shape (e.g. a second [V, H] table): keep
-            # those that are the source; refuse only if none of a role is.
-            if not any(x.role == m.role and x.init != m.init for x in matches):
-                raise
-            checks[key] = None
-            failed.setdefault(m.role, []).append(m.init)
-            continue
-        if checks[key].how == "sampled-rows":
-            P.warnings.append(f"{m.init}: {checks[key].detail}")
-    for role, inits in failed.items():
-        if not any(checks[(x.init, x.transposed)] for x in matches if x.role == role):
-            raise OnnxError(f"{P.src_path}: none of the float [V, H] tables {sorted(set(inits))} read by a "
-                            f"{'Gather' if role == 'embedding' else 'MatMul'} is the source of this "
-                            "overlay; refusing to patch with a wrong or stale overlay")
-        P.warnings.append(f"{', '.join(sorted(set(inits)))}: same shape but not the overlay's source; left as is")
-    kept = [x for x in matches if checks[(x.init, x.transposed)] is not None]
-    for m in kept:
-        m.check = checks[(m.init, m.transposed)].how
-    return kept
 
 
 class _Names:

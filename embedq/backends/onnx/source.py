@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from embedq.format.digest import VERSION_DIGESTS, new_hasher
-from embedq.backends.onnx.common import CHUNK_BYTES, SAMPLE_ROWS, OnnxError, TensorRef, torch_dtype_of
+from embedq.backends.onnx.common import (CHUNK_BYTES, SAMPLE_ROWS, OnnxError, TensorRef, tensor_proto,
+                                         torch_dtype_of)
 
 
 # ------------------------------------------------------------------- source checks
@@ -98,3 +99,61 @@ def _within_quantization_error(x: torch.Tensor, table, sample: torch.Tensor,
     return frac >= 0.999 and bool(torch.isfinite(xf).all()), frac
 
 
+# ------------------------------------------------------- step 2 of onnx patch
+
+def check_sources(P, matches: list, optional: frozenset = frozenset()) -> list:
+    """Step 2 of :func:`embedq.backends.onnx.patch.patch_model` (``P`` its shared state):
+    keep the matches whose float initializer is their module's source table, checked once
+    per module and initializer. Several candidates of the right shape (a second [V, H]
+    table; Gemma 3n's per-layer embedding beside its input embedding) are kept only where
+    they are the source; a module none of whose candidates is refuses the patch, except an
+    ``optional`` one (a per-layer table), which stays float with a warning. A Gather two
+    modules' tables match (identical tables) takes the first module's."""
+    from embedq.format.reader import load_overlay
+    P.ov = load_overlay(P.ov_path)
+    checks: dict[tuple[str, str, bool], SourceCheck | None] = {}
+    failed: dict[tuple[str, str], list[str]] = {}
+    for m in matches:
+        key = (m.module, m.init, m.transposed)
+        if key in checks:
+            continue
+        entry = P.cfg["modules"][m.module]
+        where = f"{P.src_path}: initializer {m.init!r} ({m.node.op_type} {m.node.name!r})"
+        if P.G.tensor(m.init).elem_type == tensor_proto().BFLOAT16:
+            raise OnnxError(f"{where} is bfloat16; ONNX Runtime's CPU kernels take float32 or "
+                            "float16 scales and outputs: export the model in float32 or float16")
+        try:
+            checks[key] = check_source(P.G.tensor(m.init), m.transposed, entry, P.ov.tables[m.module], where)
+        except OnnxError:
+            # refuse at once only where this was the module's one candidate of its role
+            if m.module not in optional and not any(
+                    x.module == m.module and x.role == m.role and x.init != m.init for x in matches):
+                raise
+            checks[key] = None
+            failed.setdefault((m.module, m.role), []).append(m.init)
+            continue
+        if checks[key].how == "sampled-rows":
+            P.warnings.append(f"{m.init}: {checks[key].detail}")
+    kept, nodes = [], set()
+    for x in matches:
+        c = checks[(x.module, x.init, x.transposed)]
+        if c is not None and id(x.node) not in nodes:
+            nodes.add(id(x.node))
+            x.check = c.how
+            kept.append(x)
+    replaced, left = {x.init for x in kept}, set()
+    for (module, role), inits in failed.items():
+        op = "Gather" if role == "embedding" else "MatMul"
+        shown = sorted(set(inits))
+        if not any(checks[(x.module, x.init, x.transposed)] for x in matches
+                   if x.module == module and x.role == role):
+            if module in optional:
+                P.warnings.append(f"{module}: no {op} reads its float table (none of {shown} is its "
+                                  "source); it stays as it is")
+                continue
+            raise OnnxError(f"{P.src_path}: none of the float [V, H] tables {shown} read by a {op} is "
+                            "the source of this overlay; refusing to patch with a wrong or stale overlay")
+        left |= {i for i in shown if i not in replaced}
+    if left:
+        P.warnings.append(f"{', '.join(sorted(left))}: same shape but not the overlay's source; left as is")
+    return kept

@@ -308,12 +308,14 @@ def _by_suffix(model: nn.Module, name: str) -> tuple[str, nn.Module] | None:
 def resolve_targets(model: nn.Module, qconfig: OverlayConfig) -> dict[str, tuple[str, str]]:
     """Map every overlay module and alias to a module of ``model``.
 
-    Returns ``{model_module_name: (owner_table, role)}`` where ``role`` is
-    ``embedding`` or ``head``. Names are matched exactly first; the checkpoint may use
-    another layout than the module tree (``language_model.model.embed_tokens`` vs
-    ``model.language_model.embed_tokens``), so the model's input / output embeddings
-    and then unique name suffixes are used as fallbacks. MTP / draft modules the
-    model does not have are skipped.
+    Returns ``{model_module_name: (owner_table, kind)}`` where ``kind`` is ``embedding``
+    (input, MTP/draft and per-layer embeddings: gathers) or ``head``. Names are matched
+    exactly first, for every module before any fallback: the checkpoint may use another
+    layout than the module tree (``language_model.model.embed_tokens`` vs
+    ``model.language_model.embed_tokens``), so the model's input / output embeddings and
+    then unique name suffixes are used as fallbacks, never onto a module another table
+    already holds (Gemma 3n's ``embed_tokens`` and ``embed_tokens_per_layer``). MTP / draft
+    modules the model does not have are skipped.
     """
     wanted: list[tuple[str, str, str]] = []  # (overlay name, owner, role)
     for name, e in qconfig.modules.items():
@@ -321,16 +323,23 @@ def resolve_targets(model: nn.Module, qconfig: OverlayConfig) -> dict[str, tuple
     for alias, owner in qconfig.aliases.items():
         role = "head" if alias.split(".")[-1] in HEAD_NAMES else "mtp"
         wanted.append((alias, owner, role))
+    exact = {name: _get(model, name) for name, _, _ in wanted}
+    wanted.sort(key=lambda w: exact[w[0]] is None)  # exact names first (stable)
     io_in, io_out = _io_module(model, "in"), _io_module(model, "out")
     out: dict[str, tuple[str, str]] = {}
     for name, owner, role in wanted:
-        hit = (name, _get(model, name)) if _get(model, name) is not None else None
+        hit = (name, exact[name]) if exact[name] is not None else None
         if hit is None and role == "embedding":
             hit = io_in
         if hit is None and role == "head":
             hit = io_out
         if hit is None:
             hit = _by_suffix(model, name)
+        if hit is not None and hit[0] in out and out[hit[0]][0] != owner:
+            if role == "mtp":  # a suffix fallback onto the main embedding: the MTP layer is not built
+                continue
+            raise OverlayError(f"quantization_config.json: module {name} maps to {hit[0]}, which "
+                               f"{out[hit[0]][0]} already replaces")
         if hit is None:
             if role == "mtp":
                 continue  # the model class has no such module (e.g. MTP layers not built)
