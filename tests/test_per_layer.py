@@ -1,7 +1,7 @@
 """Per-layer input embeddings (``--per-layer-embeddings``, role ``per_layer``) end to end on the
 tiny Gemma 3n text model (``embed_tokens`` and ``embed_tokens_per_layer``: both 256x64, so
 every back end must tell them apart by name or source, never by shape): transformers
-loading, verify / remove / apply / inspect / ``--json``, ONNX patching, the GGUF note,
+loading, verify / remove / apply / inspect / ``--json``, ONNX patching, GGUF transcoding (or the note),
 format-level and CLI refusals."""
 
 from __future__ import annotations
@@ -299,23 +299,77 @@ def _gguf(path: Path, out: Path, per_layer: bool) -> Path:
     return out
 
 
-@pytest.mark.parametrize("has_table", [True, False])
-def test_gguf_leaves_the_per_layer_table_with_a_true_note(gemma3n, tmp_path, has_table):
-    from gguf import GGUFReader
+def _mixed_bundle(path: Path, tmp_path: Path) -> Path:
+    """A GGUF8 embedding and a default (int8 g64, bfloat16 scales) per-layer table: the
+    per-layer scheme is the table's, so only a spliced bundle has a per-layer table GGUF
+    cannot hold beside an embedding it can (the same checksums, the per-layer module's
+    config and tensors from a default run)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    runs = {}
+    for name, flags in (("exact", GGUF8), ("default", [])):
+        runs[name] = tmp_path / name
+        code, out = run_cli("quantize", path, *flags, "--per-layer-embeddings", "-o", runs[name],
+                            "--overlay-only", "-q")
+        assert code == 0, out
+    ex, de = runs["exact"], runs["default"]
+    cfg, other = (json.loads((d / "quantization_config.json").read_text()) for d in (ex, de))
+    for section in ("modules", "onnx"):
+        cfg[section][PL] = other[section][PL]
+    (ex / "quantization_config.json").write_text(json.dumps(cfg, indent=2))
+    with safe_open(ex / "embedq.safetensors", "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(ex / "embedq.safetensors")
+    tensors.update({k: v for k, v in load_file(de / "embedq.safetensors").items() if k.startswith(PL + ".")})
+    save_file(tensors, ex / "embedq.safetensors", metadata=meta)
+    return ex
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gguf_transcodes_the_per_layer_table(gemma3n, tmp_path, bits):
+    """An exact scheme: OUT's per_layer_token_embd (in place, BASE's order and count) is
+    Q8_0/Q4_0 and gguf-py decodes it to the overlay's table bit for bit, as token_embd."""
+    sys.path.insert(0, str(Path(__file__).parent / "gguf"))
+    from ggufutil import assert_transcoded
     bundle = tmp_path / "bundle"
-    code, out = run_cli("quantize", gemma3n, *GGUF8, "--per-layer-embeddings", "-o", bundle,
+    flags = ["--bits", str(bits), "--group-size", "32", "--scale-dtype", "float16"]
+    code, out = run_cli("quantize", gemma3n, *flags, "--per-layer-embeddings", "-o", bundle,
                         "--overlay-only", "-q")
     assert code == 0, out
-    base = _gguf(gemma3n, tmp_path / "base.gguf", has_table)
+    base = _gguf(gemma3n, tmp_path / "base.gguf", True)
+    rep = embedq.gguf(base, bundle, tmp_path / "out.gguf")
+    typ = {8: "Q8_0", 4: "Q4_0"}[bits]
+    assert [(t.tensor, t.module, t.type_after) for t in rep.tables] == [
+        ("token_embd.weight", EMB, typ), ("per_layer_token_embd.weight", PL, typ)]
+    assert not any(PL in n for n in rep.notes), rep.notes
+    assert_transcoded(base, rep.output, bundle, {"token_embd.weight": EMB, "per_layer_token_embd.weight": PL})
+
+
+@pytest.mark.parametrize("case", ["no_table", "inexact"])
+def test_gguf_leaves_the_per_layer_table_with_a_true_note(gemma3n, tmp_path, case):
+    """BASE without per_layer_token_embd, or a per-layer scheme no GGUF type holds: the
+    embedding is transcoded, the per-layer table left out with a note saying why, BASE's
+    tensor kept byte for byte."""
+    from gguf import GGUFReader
+    if case == "inexact":
+        bundle = _mixed_bundle(gemma3n, tmp_path)
+    else:
+        bundle = tmp_path / "bundle"
+        code, out = run_cli("quantize", gemma3n, *GGUF8, "--per-layer-embeddings", "-o", bundle,
+                            "--overlay-only", "-q")
+        assert code == 0, out
+    base = _gguf(gemma3n, tmp_path / "base.gguf", case == "inexact")
     rep = embedq.gguf(base, bundle, tmp_path / "out.gguf")
     assert [t.tensor for t in rep.tables] == ["token_embd.weight"]
     note = next(n for n in rep.notes if PL in n)
-    if has_table:
-        assert note == (f"module {PL} (per_layer) left out: OUT keeps the base's own "
-                        "per_layer_token_embd.weight (F32) as it is")
+    if case == "inexact":
+        assert note.startswith(f"module {PL} (per_layer) left out: int8 g64 sym, bfloat16 scales "
+                               "(Q8_0/Q4_0 store float16): no GGUF type holds it exactly (quantize with "
+                               "`--bits 8 --group-size 32 --scale-dtype float16`"), note
+        assert note.endswith("; OUT keeps the base's own per_layer_token_embd.weight (F32) as it is"), note
         a, b = (next(t for t in GGUFReader(str(f)).tensors if t.name == "per_layer_token_embd.weight")
                 for f in (base, rep.output))
-        assert bytes(a.data.tobytes()) == bytes(b.data.tobytes())
+        assert (a.tensor_type, bytes(a.data.tobytes())) == (b.tensor_type, bytes(b.data.tobytes()))
     else:
         assert note == f"module {PL} (per_layer) left out: the base has no per_layer_token_embd.weight"
     code, out = run_cli("gguf", base, "--overlay", bundle, "-o", tmp_path / "out2.gguf")

@@ -1,4 +1,5 @@
-"""``embedq gguf``: a GGUF whose token embedding (and output head) hold an overlay's tables.
+"""``embedq gguf``: a GGUF whose token embedding (output head, per-layer embedding) hold an
+overlay's tables.
 
 OUT is BASE with ``token_embd.weight`` — and ``output.weight`` where the overlay has a
 separate head, or where BASE has one and the overlay's head reads the embedding — holding
@@ -8,8 +9,10 @@ The key/value section is copied verbatim and every other tensor byte for byte, i
 the overlay's head has its own table (``--head-bits``: llama.cpp's own shape, a 4-bit
 lookup and an 8-bit head): then ``output.weight`` is added right after ``token_embd``
 (the tensor count +1, no key changes: llama.cpp's loaders take an ``output.weight`` when
-present and fall back to ``token_embd``). OUT is staged (embedq.format.staging) and renamed;
-BASE and the overlay are only read.
+present and fall back to ``token_embd``). A per-layer input embedding (Gemma 3n's) goes
+into BASE's ``per_layer_token_embd.weight`` by the same rules, in place; where BASE has
+none or no GGUF type holds its scheme exactly, OUT keeps BASE's and a note says why.
+OUT is staged (embedq.format.staging) and renamed; BASE and the overlay are only read.
 """
 
 from __future__ import annotations
@@ -83,15 +86,22 @@ class GGUFReport:
         return self.table()
 
 
+def _inexact(scheme, cols: int) -> str | None:
+    """Why no ggml type holds ``scheme`` exactly, or None where Q8_0 / Q4_0 does."""
+    g = scheme.group_size if scheme.group_size is not None else cols
+    if scheme.symmetric and scheme.scale_dtype == "float16" and g % QK == 0 and cols % QK == 0:
+        return None
+    return ("asymmetric (GGUF's Q8_0/Q4_0 have no zero points)" if not scheme.symmetric else
+            f"{scheme.scale_dtype} scales (Q8_0/Q4_0 store float16)" if scheme.scale_dtype != "float16"
+            else f"groups of {g} (Q8_0/Q4_0 need a multiple of 32)")
+
+
 def gguf_type_for(scheme, cols: int, where: str, module: str) -> int:
     """The ggml type holding ``scheme`` exactly (Q8_0 / Q4_0), or a SchemeError naming the
     flags that make one."""
-    g = scheme.group_size if scheme.group_size is not None else cols
-    if scheme.symmetric and scheme.scale_dtype == "float16" and g % QK == 0 and cols % QK == 0:
+    why = _inexact(scheme, cols)
+    if why is None:
         return BITS_TYPE[scheme.bits]
-    why = ("asymmetric (GGUF's Q8_0/Q4_0 have no zero points)" if not scheme.symmetric else
-           f"{scheme.scale_dtype} scales (Q8_0/Q4_0 store float16)" if scheme.scale_dtype != "float16"
-           else f"groups of {g} (Q8_0/Q4_0 need a multiple of 32)")
     raise SchemeError(f"{where}: module {module} is {scheme.label()}, {why}: GGUF cannot hold it "
                       f"exactly; quantize with {EXACT_FLAGS}")
 
@@ -136,15 +146,42 @@ def _may_add_head(base: GGUFFile, emb, head, where: str) -> None:
                         "change its shards' tensor counts; merge it first (llama-gguf-split --merge)")
 
 
-def _left_out(base: GGUFFile, m) -> str:
+def _left_out(base: GGUFFile, m, why: str | None = None) -> str:
     """The note for an overlay module OUT does not take: an MTP/draft table (no GGUF tensor),
-    or a per-layer input embedding (Gemma 3n's), which OUT keeps as BASE has it."""
+    or a per-layer input embedding (Gemma 3n's) that BASE lacks or that no GGUF type holds
+    exactly (``why``): OUT keeps BASE's own as it is."""
     if m.role != "per_layer":
         return f"module {m.name} ({m.role}) has no GGUF tensor: left out"
     t = base.tensor(PER_LAYER)
-    kept = f"the base has no {PER_LAYER}" if t is None else \
-        f"OUT keeps the base's own {PER_LAYER} ({t.type_name}) as it is"
-    return f"module {m.name} (per_layer) left out: {kept}"
+    if t is None:
+        return f"module {m.name} (per_layer) left out: the base has no {PER_LAYER}"
+    return (f"module {m.name} (per_layer) left out: {why}; OUT keeps the base's own {PER_LAYER} "
+            f"({t.type_name}) as it is")
+
+
+def _per_layer(base: GGUFFile, cfg) -> tuple[list[tuple], list[str]]:
+    """The per-layer input embedding's (tensor, module, against) pair where BASE has a
+    ``per_layer_token_embd`` and a GGUF type holds the scheme exactly (as for token_embd);
+    else a note saying why OUT keeps BASE's. A shape not BASE's is refused later, as
+    token_embd's is (an overlay of another model)."""
+    pairs, notes = [], []
+    info = base.tensor(PER_LAYER)
+    for m in (m for m in cfg.modules.values() if m.role == "per_layer"):
+        inexact = _inexact(m.scheme, m.shape[1])
+        if info is None:
+            why = None
+        elif pairs:
+            why = f"{PER_LAYER} already takes {pairs[0][1].name}"
+        elif not _readable_type(info.type):
+            why = f"the base's is {info.type_name}, which gguf-py cannot dequantize for the same-model check"
+        elif inexact:
+            why = (f"{m.scheme.label()}, {inexact}: no GGUF type holds it exactly "
+                   f"(quantize with {EXACT_FLAGS} for Q8_0/Q4_0)")
+        else:
+            pairs.append((PER_LAYER, m, PER_LAYER))
+            continue
+        notes.append(_left_out(base, m, why))
+    return pairs, notes
 
 
 def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
@@ -154,7 +191,8 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
         raise OverlayError(f"{where}: {len(emb)} embedding tables; a GGUF has one (token_embd)")
     heads = [m for m in cfg.modules.values() if m.role == "head"]
     tied_to = [a for a, o in cfg.aliases.items() if o == emb[0].name and is_head_name(a)]
-    notes = [_left_out(base, m) for m in cfg.modules.values() if m.role not in ("embedding", "head")]
+    notes = [_left_out(base, m) for m in cfg.modules.values()
+             if m.role not in ("embedding", "head", "per_layer")]
     pairs = [(EMBEDDING, emb[0], EMBEDDING)]
     has_out = base.tensor(OUTPUT) is not None
     if heads and not has_out:  # tied BASE: the head's own table is a quantization of token_embd
@@ -168,6 +206,9 @@ def _plan(base: GGUFFile, ov, where: str) -> tuple[list[_Job], list[str]]:
         pairs.append((OUTPUT, emb[0], OUTPUT))  # BASE stores the tied head twice: keep both the same
     elif has_out:
         notes.append(f"{OUTPUT} kept as in the base (the overlay does not quantize the head)")
+    per_layer, pl_notes = _per_layer(base, cfg)
+    pairs += per_layer
+    notes += pl_notes
     jobs = []
     for tensor, m, against in pairs:
         info = base.tensor(against)
@@ -202,7 +243,7 @@ def _check(base: GGUFFile, f, job: _Job, where: str) -> float:
         r1 = min(rows, r0 + CHUNK_ROWS)
         f.seek(start + r0 * row_bytes)
         raw = np.frombuffer(f.read((r1 - r0) * row_bytes), np.uint8).reshape(r1 - r0, row_bytes)
-        g = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type), dtype=np.float32).reshape(r1 - r0, cols))
+        g = torch.from_numpy(np.require(dequantize(raw, info.type), np.float32, "CW").reshape(r1 - r0, cols))
         o = job.table.dequantize(torch.float32, rows=slice(r0, r1))
         worst = max(worst, check_rows(where, name, g, gguf_rounding(raw, g, info.type), o,
                                       job.table.scale[r0:r1], job.scheme.bits, job.scheme.method,
