@@ -129,6 +129,38 @@ def test_mtp_table_never_replaces_the_input_embedding(model_factory):
     assert torch.equal(model.model.embed_tokens(ids), _tables(path, model.dtype)[EMB][ids])
 
 
+def test_mtp_listed_first_does_not_take_the_input_embedding(gemma3n):
+    """Config order does not decide: an MTP table listed before an input embedding that
+    matches only by fallback is resolved after it (and skipped), not the other way round."""
+    import transformers
+    model = _float_model(gemma3n, transformers.Gemma3nForCausalLM, torch.bfloat16)
+    got = resolve_targets(model, _cfg({"model.mtp.1.embed_tokens": "mtp",
+                                       "language_model.model.embed_tokens": "embedding"}))
+    assert got == {EMB: ("language_model.model.embed_tokens", "embedding")}
+
+
+def test_eval_takes_ids_past_a_smaller_per_layer_table(tmp_path):
+    """Gemma 3n's per-layer table has fewer rows than the vocabulary (the model maps the
+    ids past it to 0): ``embedq eval`` checks ids against the vocabulary tables only."""
+    from embedq.quality.evaluate import evaluate
+    path = build_tiny("Gemma3nForCausalLM", "gemma3n_text", tmp_path / "g",
+                      overrides={"vocab_size_per_layer_input": 200})
+    embedq.quantize(path, bits=8, per_layer_embeddings=True, progress=False)
+    assert embedq.load_overlay(path).tables[PL].rows == 200
+    r = evaluate(path, tokens=[5, 210, 17, 240, 33] * 8, contexts=1, length=40, bos=None,
+                 progress=False, bootstrap=10)
+    assert r.tokens > 0 and r.mean_kld >= 0
+
+
+def test_card_names_the_per_layer_table(gemma3n, tmp_path):
+    """A derived checkpoint's card says every quantized table (it said "its token embedding",
+    every other tensor the source's, with the per-layer table quantized too)."""
+    out = tmp_path / "derived"
+    embedq.quantize(gemma3n, bits=8, per_layer_embeddings=True, output=out, progress=False)
+    text = (out / "README.md").read_text()
+    assert "with its token embedding and per-layer embedding quantized by embedq" in text
+
+
 # ------------------------------------------------------------------ verify / remove / apply / inspect
 
 def test_quantize_verify_remove_round_trip(gemma3n):

@@ -201,7 +201,10 @@ def render(ctx: dict) -> str:
                  f"table{'s' if len(mods) > 1 else ''} ({', '.join(schemes)}) and {'their' if len(mods) > 1 else 'its'} config, "
                  "without the rest of the weights.")
     else:
-        b.append(f"{what} with its token embedding{' and lm_head' if any(m['role'] == 'head' for m in mods) else ''} "
+        also = [x for r, x in (("per_layer", "per-layer embedding"), ("head", "lm_head"))
+                if any(m["role"] == r for m in mods)]
+        b.append(f"{what} with its token embedding{''.join(', ' + x for x in also[:-1])}"
+                 f"{' and ' + also[-1] if also else ''} "
                  f"quantized by embedq ({', '.join(schemes)}). Every other tensor is the "
                  "source's, byte for byte.")
     if not base:

@@ -420,8 +420,10 @@ def evaluate(path: str | os.PathLike, *, text: str | os.PathLike | None = None,
     if floor is None:
         floor = _dtype(dtype) == torch.float32 and source_is_bf16(ref_path, qconfig)
     source = "the tokenizer" if tokenizer is not None else "tokens/bos"
-    # Before loading: the overlay's tables are vocabulary-sized; after: the models' own tables.
-    _check_ids(p, ctx, min((e.shape[0] for e in qconfig.modules.values()), default=None), source)
+    # Before loading: the overlay's tables are vocabulary-sized (a per-layer table may be
+    # smaller: Gemma 3n maps the ids past it to 0 itself); after: the models' own tables.
+    _check_ids(p, ctx, min((e.shape[0] for e in qconfig.modules.values() if e.role != "per_layer"),
+                           default=None), source)
     ref, quant = load_pair(p, reference, dtype, float_head, device, activations)
     _check_ids(p, ctx, min(m.get_input_embeddings().num_embeddings for m in (ref, quant)), source)
     from embedq.backends.transformers import QuantizedLMHead

@@ -324,7 +324,8 @@ def resolve_targets(model: nn.Module, qconfig: OverlayConfig) -> dict[str, tuple
         role = "head" if alias.split(".")[-1] in HEAD_NAMES else "mtp"
         wanted.append((alias, owner, role))
     exact = {name: _get(model, name) for name, _, _ in wanted}
-    wanted.sort(key=lambda w: exact[w[0]] is None)  # exact names first (stable)
+    # exact names first, then the tables a model must have before MTP/draft ones it may lack
+    wanted.sort(key=lambda w: (exact[w[0]] is None, w[2] == "mtp"))
     io_in, io_out = _io_module(model, "in"), _io_module(model, "out")
     out: dict[str, tuple[str, str]] = {}
     for name, owner, role in wanted:
