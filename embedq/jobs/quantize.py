@@ -16,7 +16,7 @@ import time
 from embedq.errors import CheckpointError, SchemeError
 from embedq.format.checkpoint import OVERLAY_NAME, QCONFIG_NAME, Checkpoint
 from embedq.format.config import build_config, parse_config
-from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT, ST_DTYPE_BITS
+from embedq.format.constants import FORMAT_VERSION, OVERLAY_FORMAT
 from embedq.format.files import check_writable
 from embedq.jobs import state
 from embedq.jobs.advice import scheme_advice  # measured on Gemma 3 270M, see docs/quality.md
@@ -74,8 +74,7 @@ def _per_layer_note(ckpt: Checkpoint) -> list[str]:
     for name in per_layer_tables(ckpt):
         info = ckpt.tensor(name)
         rows, cols = info.shape
-        gb = rows * cols * ST_DTYPE_BITS.get(info.dtype, 16) / 8e9
-        out.append(f"{name} ({rows} x {cols}, {gb:.2f} GB) stays float: --per-layer-embeddings "
+        out.append(f"{name} ({rows} x {cols}, {info.nbytes / 1e9:.2f} GB) stays float: --per-layer-embeddings "
                    "quantizes it too (see docs/usage.md)")
     return out
 
